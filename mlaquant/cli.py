@@ -1,0 +1,61 @@
+"""The `mlaquant` command: one entry point, subcommands imported lazily.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
+Errors that users can fix (bad paths, bad configs, mismatched plans) are `MLAQuantError`s and print
+as one line with exit code 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from mlaquant.errors import MLAQuantError
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS = {
+    "generate": ("mlaquant.generate_cli", "greedy/sampled completion with the latent-cache decoder"),
+    "bench": ("mlaquant.bench", "benchmarks (decode step time against transformers)"),
+    "train": ("mlaquant.train", "train the bundled MLA code model on the Python standard library"),
+    "calibrate": ("mlaquant.calib.calibrate", "calibrate a per-layer cache plan under an accuracy budget"),
+    "sweep": ("mlaquant.sweep", "accuracy-vs-memory report over cache codecs and plans"),
+    "export": ("mlaquant.export", "export a plan for vLLM / SGLang"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlaquant", description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    wanted = next((a for a in argv if a in SUBCOMMANDS), None)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == wanted:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except (MLAQuantError, FileNotFoundError, ValueError) as e:
+        if args.debug:
+            raise
+        print(f"mlaquant {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mlaquant {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
