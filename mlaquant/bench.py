@@ -1,0 +1,150 @@
+"""`mlaquant bench`: speed benchmarks, always a ratio against a baseline measured in the same run.
+
+    mlaquant bench decode   per-step decode time at several contexts on a model with DeepSeek-V2-Lite
+                            attention shapes (random weights): ours (absorbed, paged latent cache, FP16 /
+                            INT8 / INT4) against transformers' DeepseekV2 (re-expands K/V every step)
+    mlaquant bench kernels  the Triton kernels on a CUDA device (see mlaquant.kernels.bench)
+
+Both caches are filled with the same latent rows (no prefill), then each side decodes `--steps` tokens;
+the median step time is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mlaquant.errors import MLAQuantError
+
+V2_LITE_ATTENTION = dict(
+    hidden_size=2048,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=128,
+    v_head_dim=128,
+    q_lora_rank=None,
+    intermediate_size=5632,
+    vocab_size=4096,
+    n_routed_experts=None,
+    first_k_dense_replace=0,
+    max_position_embeddings=32768,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    d = sub.add_parser("decode", help="decode step time: ours vs transformers (CPU ok)")
+    d.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths")
+    d.add_argument("--layers", type=int, default=2)
+    d.add_argument("--steps", type=int, default=5, help="timed decode steps per configuration")
+    d.add_argument("--codecs", default="fp16,int8,int4", help="our cache codecs to time (first is the base)")
+    d.add_argument("--out", default=None, help="also write the table as JSON here")
+    k = sub.add_parser("kernels", help="Triton kernel benchmark (needs CUDA)")
+    from mlaquant.kernels import bench as kernel_bench
+
+    kernel_bench.add_arguments(k)
+    k.set_defaults(_kernels=kernel_bench.run)
+
+
+def _median_step(step, n: int) -> float:
+    step()  # warm-up
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _time_ours(model, rows: list[torch.Tensor], codec: str, n: int) -> float:
+    from mlaquant.cache import LatentCache
+    from mlaquant.session import DecodeSession
+
+    session = DecodeSession(model, plan=codec, backend="torch")
+    session.cache = LatentCache(session.codecs, 1, session.runtime.block_size)
+    for layer, r in enumerate(rows):
+        session.cache.write(layer, 0, r)
+    session.lengths = [rows[0].shape[0]]
+    token = torch.tensor([1])
+    return _median_step(lambda: session.decode(token), n)
+
+
+def _time_transformers(hf, rows: list[torch.Tensor], d_c: int, n: int) -> float:
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf.config)
+    for layer, r in enumerate(rows):
+        cache.update(r[None, None, :, :d_c].clone(), r[None, None, :, d_c:].clone(), layer)
+    length = [rows[0].shape[0]]
+
+    def step() -> None:
+        pos = torch.tensor([[length[0]]])
+        with torch.no_grad():
+            hf(torch.tensor([[1]]), cache=cache, position_ids=pos, use_cache=True)
+        length[0] += 1
+
+    return _median_step(step, n)
+
+
+def bench_decode(contexts: list[int], layers: int, steps: int, codecs: list[str]) -> list[dict]:
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from mlaquant.loader import load_model
+
+    torch.manual_seed(0)
+    hf = DeepseekV2ForCausalLM(DeepseekV2Config(num_hidden_layers=layers, **V2_LITE_ATTENTION)).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        ours = load_model(tmp)
+    d_c = V2_LITE_ATTENTION["kv_lora_rank"]
+    results = []
+    for ctx in contexts:
+        g = torch.Generator().manual_seed(ctx)
+        rows = [torch.randn(ctx, d_c + V2_LITE_ATTENTION["qk_rope_head_dim"], generator=g) for _ in range(layers)]
+        row = {"context": ctx, "transformers_s": _time_transformers(hf, rows, d_c, steps)}
+        for codec in codecs:
+            row[f"{codec}_s"] = _time_ours(ours, rows, codec, steps)
+        row["speedup_vs_transformers"] = row["transformers_s"] / row[f"{codecs[0]}_s"]
+        results.append(row)
+        print(format_row(row, codecs), flush=True)
+    return results
+
+
+def format_header(codecs: list[str]) -> str:
+    cols = ["context", "transformers ms/step"] + [f"ours {c} ms/step" for c in codecs]
+    cols += [f"{c} / {codecs[0]}" for c in codecs[1:]] + [f"speedup ({codecs[0]} vs transformers)"]
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def format_row(row: dict, codecs: list[str]) -> str:
+    base = row[f"{codecs[0]}_s"]
+    cells = [str(row["context"]), f"{row['transformers_s'] * 1e3:.1f}"]
+    cells += [f"{row[f'{c}_s'] * 1e3:.2f}" for c in codecs]
+    cells += [f"{row[f'{c}_s'] / base:.2f}" for c in codecs[1:]]
+    cells.append(f"{row['speedup_vs_transformers']:.1f}×")
+    return "| " + " | ".join(cells) + " |"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench == "kernels":
+        return args._kernels(args)
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError as e:
+        raise MLAQuantError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from e
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    print(f"decode step, DeepSeek-V2-Lite attention shapes, {args.layers} layers, batch 1, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(format_header(codecs))
+    results = bench_decode(contexts, args.layers, args.steps, codecs)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0

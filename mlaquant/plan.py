@@ -1,0 +1,181 @@
+"""`Plan`: which codec each layer's latent cache gets, with its calibrated ranges and guard bounds.
+
+A plan directory holds two files, written atomically (temp dir, then rename):
+
+    plan.yaml           human-readable: per-layer codecs, measured losses, bytes/token, the model
+                        fingerprint, the budget and settings used, fallbacks taken, versions
+    scales.safetensors  per-layer tensors: `layer{i}.clip_lo` / `layer{i}.clip_hi` [d_c + d_r] float32
+                        (calibrated per-channel ranges) — quantization parameters live here, never
+                        in file names
+
+Uniform plans need no calibration: "fp32", "bf16", "fp16", "int8", "int4", or "<ckv>/<kpe>" codec
+names (e.g. "int4-g32/int8-g32"); they fit any model and carry no fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from mlaquant.codecs import CodecSpec, LayerCodec, bits_per_value
+from mlaquant.config import from_dict, to_dict
+from mlaquant.errors import MLAQuantError, PlanError
+
+PLAN_VERSION = 1
+
+
+@dataclasses.dataclass
+class LayerPlan:
+    """One layer's cache format and what calibration measured for it."""
+
+    ckv: str
+    kpe: str
+    clip: bool = False
+    # validation loss increase (relative ppl) with only this layer quantized; None when not measured
+    loss: float | None = None
+    # guard bounds: the worst per-row relative error and clip rate seen at calibration, with margin
+    max_rel_error: float | None = None
+    max_clip_rate: float | None = None
+    note: str = ""
+
+    @property
+    def codec_name(self) -> str:
+        return f"{self.ckv}/{self.kpe}"
+
+
+@dataclasses.dataclass
+class Plan:
+    layers: list[LayerPlan]
+    version: int = PLAN_VERSION
+    fingerprint: str | None = None
+    budget: float | None = None
+    metrics: dict = dataclasses.field(default_factory=dict)
+    settings: dict = dataclasses.field(default_factory=dict)
+    fallbacks: list = dataclasses.field(default_factory=list)
+    versions: dict = dataclasses.field(default_factory=dict)
+    tensors: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @classmethod
+    def uniform(cls, name: str, num_layers: int) -> Plan:
+        """The same codec in every layer: 'fp16', 'int8', 'int4', ... or '<ckv>/<kpe>'."""
+        ckv, _, kpe = name.partition("/")
+        kpe = kpe or ckv
+        for n in (ckv, kpe):
+            CodecSpec.parse(n)
+        return cls(layers=[LayerPlan(CodecSpec.parse(ckv).name, CodecSpec.parse(kpe).name) for _ in range(num_layers)])
+
+    @property
+    def name(self) -> str:
+        names = {lp.codec_name for lp in self.layers}
+        return names.pop() if len(names) == 1 and not self.fingerprint else "calibrated"
+
+    def layer_codec(self, i: int, d_c: int, d_r: int, ckv: str | None = None, kpe: str | None = None) -> LayerCodec:
+        """Layer i's codec (optionally with other codec names but the same calibrated clip ranges)."""
+        lp = self.layers[i]
+        lo = self.tensors.get(f"layer{i}.clip_lo") if lp.clip else None
+        hi = self.tensors.get(f"layer{i}.clip_hi") if lp.clip else None
+        return LayerCodec.from_names(ckv or lp.ckv, kpe or lp.kpe, d_c, d_r, lo, hi)
+
+    def layer_codecs(self, d_c: int, d_r: int) -> list[LayerCodec]:
+        return [self.layer_codec(i, d_c, d_r) for i in range(len(self.layers))]
+
+    def bytes_per_token(self, d_c: int, d_r: int) -> int:
+        """Cache bytes per token summed over layers (codes, scales, zero points)."""
+        return sum(c.row_bytes for c in self.layer_codecs(d_c, d_r))
+
+    def bits_per_value(self, d_c: int, d_r: int) -> float:
+        codecs = self.layer_codecs(d_c, d_r)
+        return sum(bits_per_value(c) for c in codecs) / len(codecs)
+
+    def check_model(self, model) -> None:
+        """Refuse a plan made for another model (layer count, widths, weights fingerprint)."""
+        if len(self.layers) != model.cfg.num_hidden_layers:
+            raise PlanError(f"plan has {len(self.layers)} layers, model has {model.cfg.num_hidden_layers}")
+        if self.fingerprint is not None and self.fingerprint != model.fingerprint():
+            raise PlanError(
+                f"plan fingerprint {self.fingerprint[:12]} does not match model {model.fingerprint()[:12]} "
+                f"({model.source}): this plan was calibrated for another model"
+            )
+
+    def save(self, out_dir: str | Path) -> Path:
+        """Write plan.yaml + scales.safetensors atomically into out_dir (replacing an old plan there)."""
+        out_dir = Path(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
+        try:
+            meta = to_dict(self)
+            meta.pop("tensors")
+            meta["versions"] = {**self.versions, **library_versions()}
+            (tmp / "plan.yaml").write_text(yaml.safe_dump(meta, sort_keys=False, width=110))
+            tensors = {k: v.detach().float().contiguous().cpu() for k, v in self.tensors.items()}
+            save_file(tensors, str(tmp / "scales.safetensors"), metadata={"format": "mlaquant-plan"})
+            if out_dir.exists():
+                old = out_dir.with_name(f".{out_dir.name}.old")
+                os.replace(out_dir, old)
+                os.replace(tmp, out_dir)
+                shutil.rmtree(old)
+            else:
+                os.replace(tmp, out_dir)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        return out_dir
+
+    @classmethod
+    def load(cls, plan_dir: str | Path) -> Plan:
+        plan_dir = Path(plan_dir)
+        meta_file, scales_file = plan_dir / "plan.yaml", plan_dir / "scales.safetensors"
+        for f in (meta_file, scales_file):
+            if not f.is_file():
+                raise PlanError(f"{plan_dir}: not a plan directory ({f.name} missing)")
+        try:
+            meta = yaml.safe_load(meta_file.read_text())
+        except yaml.YAMLError as e:
+            raise PlanError(f"{meta_file}: corrupt plan ({e.__class__.__name__})") from e
+        if not isinstance(meta, dict) or not isinstance(meta.get("layers"), list):
+            raise PlanError(f"{meta_file}: corrupt plan (no 'layers' list)")
+        if meta.get("version") != PLAN_VERSION:
+            raise PlanError(f"{meta_file}: plan version {meta.get('version')!r}, this mlaquant reads {PLAN_VERSION}")
+        try:
+            layers = [from_dict(LayerPlan, lp, f"{meta_file}: layers[{i}]") for i, lp in enumerate(meta["layers"])]
+            meta["layers"] = layers
+            plan = from_dict(cls, meta, str(meta_file))
+            for lp in layers:
+                CodecSpec.parse(lp.ckv), CodecSpec.parse(lp.kpe)
+        except (MLAQuantError, TypeError) as e:
+            raise PlanError(f"{meta_file}: corrupt plan ({e})") from e
+        try:
+            plan.tensors = load_file(str(scales_file))
+        except (SafetensorError, OSError) as e:
+            raise PlanError(f"{scales_file}: corrupt scales file ({e})") from e
+        for i, lp in enumerate(layers):
+            if lp.clip and f"layer{i}.clip_hi" not in plan.tensors:
+                raise PlanError(f"{scales_file}: layer {i} uses clipping but 'layer{i}.clip_hi' is missing")
+        return plan
+
+
+def library_versions() -> dict:
+    import mlaquant
+
+    return {"mlaquant": mlaquant.__version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def resolve_plan(plan: str | Path | Plan, model) -> Plan:
+    """A Plan from a Plan, a plan directory, or a uniform codec name; checked against `model`."""
+    if isinstance(plan, Plan):
+        resolved = plan
+    elif isinstance(plan, Path) or (isinstance(plan, str) and (os.sep in plan or Path(plan).is_dir())):
+        resolved = Plan.load(plan)
+    else:
+        resolved = Plan.uniform(str(plan), model.cfg.num_hidden_layers)
+    resolved.check_model(model)
+    return resolved
