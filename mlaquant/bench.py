@@ -141,8 +141,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise MLAQuantError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from e
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
-    print(f"decode step, DeepSeek-V2-Lite attention shapes, {args.layers} layers, batch 1, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"decode step, DeepSeek-V2-Lite attention shapes, {args.layers} layers, batch 1, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     print(format_header(codecs))
     results = bench_decode(contexts, args.layers, args.steps, codecs)
     if args.out:

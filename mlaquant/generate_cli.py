@@ -31,11 +31,19 @@ def run(args: argparse.Namespace) -> int:
         raise MLAQuantError("--prompt encodes to no tokens")
     start = time.perf_counter()
     new = generate(
-        model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-        plan=args.plan, backend=args.backend,
+        model,
+        prompt,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        plan=args.plan,
+        backend=args.backend,
     )[0]
     elapsed = time.perf_counter() - start
     print(args.prompt + model.tokenizer.decode(new))
-    print(f"-- {len(new)} tokens in {elapsed:.2f} s: {len(new) / elapsed:.1f} tokens/s "
-          f"(prompt {len(prompt)} tokens, plan {args.plan}, incl. prefill)")
+    print(
+        f"-- {len(new)} tokens in {elapsed:.2f} s: {len(new) / elapsed:.1f} tokens/s "
+        f"(prompt {len(prompt)} tokens, plan {args.plan}, incl. prefill)"
+    )
     return 0

@@ -22,6 +22,7 @@ permuted layout gives identical scores, and cached `k_pe` rows hold [even dims |
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -236,6 +237,8 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, cfg.hidden_size, bias=bias)
         self.scale = softmax_scale(cfg)
+        # orthogonal [d_c, d_c] applied to c_kv before it is cached; kv_b_proj then holds W·R
+        self.latent_rotation: torch.Tensor | None = None
 
     def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] → q_nope [B, T, H, d_n], rotated q_pe [B, T, H, d_r]."""
@@ -248,7 +251,10 @@ class MLAAttention(nn.Module):
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] → cache rows [B, T, d_c + d_r] = [normed c_kv | rotated k_pe]."""
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        return torch.cat((self.kv_a_layernorm(c_kv), apply_rope(k_pe, cos, sin)), dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        if self.latent_rotation is not None:
+            c_kv = c_kv @ self.latent_rotation
+        return torch.cat((c_kv, apply_rope(k_pe, cos, sin)), dim=-1)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, d_n, d_c] and W_UV [H, d_v, d_c] (views of kv_b_proj.weight)."""
@@ -425,15 +431,28 @@ class MLAModel(nn.Module):
         return h.hexdigest()
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, latent_rows: Callable | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        latent_rows: Callable | None = None,
+        start_layer: int = 0,
+        hidden: torch.Tensor | None = None,
+        layer_inputs: list | None = None,
+    ) -> torch.Tensor:
         """Full-sequence causal forward with expanded K/V. input_ids [B, T] → logits [B, T, V] float32.
 
         `latent_rows(layer, rows) -> rows` may replace each layer's latent (e.g. fake quantization).
+        `hidden` [B, T, hidden] resumes at `start_layer` from a saved input of that layer (calibration
+        re-runs only the layers after the one it perturbs); `layer_inputs`, if a list, receives every
+        layer's input hidden state.
         """
         T = input_ids.shape[1]
         cos, sin = self.rotary(torch.arange(T, device=input_ids.device)[None], self.dtype)
-        h = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
+        h = self.embed_tokens(input_ids) if hidden is None else hidden
+        for i in range(start_layer, len(self.layers)):
+            layer = self.layers[i]
+            if layer_inputs is not None:
+                layer_inputs.append(h)
             x = layer.input_layernorm(h)
             rows = None
             if latent_rows is not None:
@@ -458,3 +477,50 @@ class MLAModel(nn.Module):
             o_lat = attend(i, attn.absorbed_query(x, cos, sin), attn.latent(x, cos, sin))
             h = layer._mlp(h + attn.output_from_latent(o_lat.to(h.dtype)))
         return self.lm_head(self.norm(h)).float()
+
+
+def hadamard_signs(n: int, seed: int) -> torch.Tensor:
+    """Seeded random ±1 signs [n] (float32) for `hadamard_rotation`."""
+    return torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+
+
+def hadamard_rotation(signs: torch.Tensor) -> torch.Tensor:
+    """Orthogonal R = diag(signs) · H_n / √n [n, n] (Sylvester Hadamard; n = len(signs), a power of two)."""
+    n = signs.numel()
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return signs.float()[:, None] * h / math.sqrt(n)
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    new = copy.copy(module)
+    new._modules = dict(module._modules)
+    new._parameters = dict(module._parameters)
+    new._buffers = dict(module._buffers)
+    return new
+
+
+def with_latent_rotation(model: MLAModel, rotations: dict[int, torch.Tensor]) -> MLAModel:
+    """A model computing the same function whose layer i caches c_kv·R_i (exact in real arithmetic).
+
+    W_UK and W_UV are folded with R (kv_b_proj.weight·R), so absorbed decode reads rotated rows at no
+    extra cost; only the cache write multiplies by R. Shares every other parameter with `model`.
+    """
+    new = _shallow(model)
+    layers = []
+    for i, layer in enumerate(model.layers):
+        rot = rotations.get(i)
+        if rot is not None:
+            layer = _shallow(layer)
+            attn = _shallow(layer.self_attn)
+            kv_b = nn.Linear(attn.kv_b_proj.in_features, attn.kv_b_proj.out_features, bias=False)
+            kv_b.weight = nn.Parameter(attn.kv_b_proj.weight @ rot.to(attn.kv_b_proj.weight), requires_grad=False)
+            attn.kv_b_proj = kv_b.to(attn.kv_b_proj.weight.device)
+            attn.latent_rotation = rot.to(device=kv_b.weight.device, dtype=kv_b.weight.dtype)
+            layer.self_attn = attn
+        layers.append(layer)
+    new.layers = nn.ModuleList(layers)
+    return new

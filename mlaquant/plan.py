@@ -5,8 +5,11 @@ A plan directory holds two files, written atomically (temp dir, then rename):
     plan.yaml           human-readable: per-layer codecs, measured losses, bytes/token, the model
                         fingerprint, the budget and settings used, fallbacks taken, versions
     scales.safetensors  per-layer tensors: `layer{i}.clip_lo` / `layer{i}.clip_hi` [d_c + d_r] float32
-                        (calibrated per-channel ranges) — quantization parameters live here, never
-                        in file names
+                        (calibrated per-channel clip ranges of the cached rows), `layer{i}.range_lo`
+                        / `range_hi` (observed min / max, for the runtime guard) and, for rotated layers,
+                        `layer{i}.rotation_signs` [d_c] (R = diag(signs)·H/√d_c, see
+                        `mlaquant.model.with_latent_rotation`) — quantization parameters live here,
+                        never in file names
 
 Uniform plans need no calibration: "fp32", "bf16", "fp16", "int8", "int4", or "<ckv>/<kpe>" codec
 names (e.g. "int4-g32/int8-g32"); they fit any model and carry no fingerprint.
@@ -26,9 +29,10 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from mlaquant.codecs import CodecSpec, LayerCodec, bits_per_value
+from mlaquant.codecs import CodecError, CodecSpec, LayerCodec, bits_per_value
 from mlaquant.config import from_dict, to_dict
 from mlaquant.errors import MLAQuantError, PlanError
+from mlaquant.model import hadamard_rotation, with_latent_rotation
 
 PLAN_VERSION = 1
 
@@ -40,11 +44,12 @@ class LayerPlan:
     ckv: str
     kpe: str
     clip: bool = False
+    # c_kv cached as c_kv·R (Hadamard with the stored signs), R folded into W_UK / W_UV
+    rotate: bool = False
     # validation loss increase (relative ppl) with only this layer quantized; None when not measured
     loss: float | None = None
-    # guard bounds: the worst per-row relative error and clip rate seen at calibration, with margin
+    # guard bound: the worst per-row relative error seen on calibration rows
     max_rel_error: float | None = None
-    max_clip_rate: float | None = None
     note: str = ""
 
     @property
@@ -84,6 +89,19 @@ class Plan:
         lo = self.tensors.get(f"layer{i}.clip_lo") if lp.clip else None
         hi = self.tensors.get(f"layer{i}.clip_hi") if lp.clip else None
         return LayerCodec.from_names(ckv or lp.ckv, kpe or lp.kpe, d_c, d_r, lo, hi)
+
+    def rotations(self) -> dict[int, torch.Tensor]:
+        """Layer → [d_c, d_c] rotation for the layers that rotate their latent."""
+        return {
+            i: hadamard_rotation(self.tensors[f"layer{i}.rotation_signs"])
+            for i, lp in enumerate(self.layers)
+            if lp.rotate
+        }
+
+    def apply(self, model):
+        """The model this plan's cache rows belong to (rotated layers folded in; else `model` itself)."""
+        rotations = self.rotations()
+        return with_latent_rotation(model, rotations) if rotations else model
 
     def layer_codecs(self, d_c: int, d_r: int) -> list[LayerCodec]:
         return [self.layer_codec(i, d_c, d_r) for i in range(len(self.layers))]
@@ -158,24 +176,28 @@ class Plan:
         except (SafetensorError, OSError) as e:
             raise PlanError(f"{scales_file}: corrupt scales file ({e})") from e
         for i, lp in enumerate(layers):
-            if lp.clip and f"layer{i}.clip_hi" not in plan.tensors:
-                raise PlanError(f"{scales_file}: layer {i} uses clipping but 'layer{i}.clip_hi' is missing")
+            for flag, key in ((lp.clip, "clip_hi"), (lp.clip, "clip_lo"), (lp.rotate, "rotation_signs")):
+                if flag and f"layer{i}.{key}" not in plan.tensors:
+                    raise PlanError(f"{scales_file}: layer {i} needs tensor 'layer{i}.{key}', which is missing")
         return plan
 
 
 def library_versions() -> dict:
     import mlaquant
 
-    return {"mlaquant": mlaquant.__version__, "torch": torch.__version__, "python": platform.python_version()}
+    return {"mlaquant": mlaquant.__version__, "torch": str(torch.__version__), "python": platform.python_version()}
 
 
 def resolve_plan(plan: str | Path | Plan, model) -> Plan:
     """A Plan from a Plan, a plan directory, or a uniform codec name; checked against `model`."""
     if isinstance(plan, Plan):
         resolved = plan
-    elif isinstance(plan, Path) or (isinstance(plan, str) and (os.sep in plan or Path(plan).is_dir())):
+    elif isinstance(plan, Path) or Path(plan).exists():
         resolved = Plan.load(plan)
     else:
-        resolved = Plan.uniform(str(plan), model.cfg.num_hidden_layers)
+        try:
+            resolved = Plan.uniform(str(plan), model.cfg.num_hidden_layers)
+        except CodecError as e:
+            raise PlanError(f"plan '{plan}' is neither a plan directory nor codec names ({e})") from e
     resolved.check_model(model)
     return resolved

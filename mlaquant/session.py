@@ -84,8 +84,8 @@ class DecodeSession:
         runtime: str | Path | dict | RuntimeConfig | None = None,
         guard=None,
     ) -> None:
-        self.model = model
         self.plan = resolve_plan(plan, model)
+        self.model = self.plan.apply(model)
         self.backend = ops.resolve_backend(backend, model.device)
         self.runtime = load_runtime_config(runtime)
         self.guard = guard
@@ -203,8 +203,10 @@ def generate(
     prompt_ids: [T], [B, T] or a list of token lists. Returns the new tokens of each sequence.
     """
     if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-        raise MLAQuantError(f"generate: need max_new_tokens ≥ 0, temperature ≥ 0, 0 < top_p ≤ 1 (got "
-                            f"{max_new_tokens}, {temperature}, {top_p})")
+        raise MLAQuantError(
+            f"generate: need max_new_tokens ≥ 0, temperature ≥ 0, 0 < top_p ≤ 1 (got "
+            f"{max_new_tokens}, {temperature}, {top_p})"
+        )
     if isinstance(prompt_ids, torch.Tensor):
         prompts = prompt_ids.reshape(-1, prompt_ids.shape[-1]).tolist()
     else:

@@ -70,3 +70,13 @@ def make_checkpoint(tmp_path):
         return model, path
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """Our MLAModel loaded from a random DeepSeek-V3 checkpoint (3 layers, d_c 32, d_r 8, MoE)."""
+    from mlaquant import load_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_hf_model(3, q_lora_rank=None).save_pretrained(path)
+    return load_model(path)

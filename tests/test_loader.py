@@ -110,14 +110,21 @@ def test_fp8_block_scaled_weights_dequantize(make_checkpoint):
     # e4m3 keeps 3 mantissa bits: relative rounding ≤ 2^-4 of each value (plus subnormal floor)
     assert ((got - ref).abs() <= ref.abs() * 2**-4 + 1e-3 * ref.abs().max()).all()
     assert not torch.equal(got, ref)
-    assert dequantize_fp8_blocks(tensors["model.layers.0.self_attn.kv_b_proj.weight"],
-                                 tensors["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"]).shape == ref.shape
+    assert (
+        dequantize_fp8_blocks(
+            tensors["model.layers.0.self_attn.kv_b_proj.weight"],
+            tensors["model.layers.0.self_attn.kv_b_proj.weight_scale_inv"],
+        ).shape
+        == ref.shape
+    )
 
 
 def test_cli_error_is_one_line(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mlaquant.cli", "generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
-        capture_output=True, text=True, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "model directory not found" in proc.stderr

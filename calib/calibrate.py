@@ -1,0 +1,320 @@
+"""`mlaquant calibrate`: the smallest latent-cache plan whose measured loss stays under the budget.
+
+Pipeline (three disjoint splits; numbers reported on the one that chose nothing):
+
+1. observe   calibration split, `samples` × `seq_len` tokens → per-layer, per-channel ranges of the
+             latent rows (min/max and the `percentile` quantile) and a row subsample.
+2. measure   validation split: for every layer and candidate codec (with and without clipping to
+             the calibrated ranges, the better kept) the loss with only that layer quantized.
+3. search    every layer starts at its cheapest candidate; while the summed single-layer losses
+             exceed `headroom × budget`, upgrade the layer/candidate with the best loss saved per
+             byte added.
+4. verify    the whole plan on validation; while over `headroom × budget`, fall back layer by layer —
+             the layer with the largest single-layer loss moves to its next wider candidate (e.g.
+             INT4 → INT8 → FP16) — and record why.
+5. report    the plan's loss on the test split, guard bounds from the calibration rows, and an
+             atomically written plan directory (plan.yaml + scales.safetensors).
+
+Loss = relative perplexity increase against the FP16 cache, teacher-forced, every token through the
+quantized cache (`mlaquant.eval`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+from mlaquant.calib.data import split_path, token_samples
+from mlaquant.calib.observers import LatentStats, observe, percentile_bounds
+from tqdm import tqdm
+
+from mlaquant.codecs import LayerCodec
+from mlaquant.config import ConfigError, load_config, to_dict
+from mlaquant.errors import MLAQuantError
+from mlaquant.eval import Evaluator
+from mlaquant.model import MLAModel, hadamard_rotation, hadamard_signs, with_latent_rotation
+from mlaquant.plan import LayerPlan, Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class CalibrateConfig:
+    version: int = 1
+    samples: int = 512
+    seq_len: int = 512
+    val_samples: int = 64
+    test_samples: int = 128
+    budget: float = 0.01
+    headroom: float = 0.8
+    seed: int = 0
+    batch_size: int = 8
+    percentile: float = 0.999
+    try_clip: bool = True
+    try_rotation: bool = True
+    candidates: tuple = ("int4-g64/int4-g32", "int4-g32/int4-g32", "int8-g64/int8-g32", "fp16/fp16")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.budget < 1:
+            raise ConfigError(f"calibrate: budget must be in (0, 1), got {self.budget}")
+        if self.samples <= 0 or self.val_samples <= 0 or self.test_samples < 0:
+            raise ConfigError(
+                f"calibrate: samples must be > 0 (got samples={self.samples}, val_samples={self.val_samples}, "
+                f"test_samples={self.test_samples})"
+            )
+        if self.seq_len < 2 or not 0 < self.headroom <= 1 or not 0.5 < self.percentile <= 1:
+            raise ConfigError("calibrate: need seq_len ≥ 2, 0 < headroom ≤ 1, 0.5 < percentile ≤ 1")
+        if "fp16/fp16" not in self.candidates:
+            raise ConfigError("calibrate: candidates must include 'fp16/fp16' (the fallback of last resort)")
+
+
+@dataclasses.dataclass
+class Choice:
+    """A measured candidate for one layer."""
+
+    name: str
+    clip: bool
+    rotate: bool
+    row_bytes: int
+    loss: float
+
+
+class LayerVariants:
+    """One layer's cached rows as observed, plain and Hadamard-rotated: samples, ranges, rotation."""
+
+    def __init__(self, stats: LatentStats, d_c: int, percentile: float, seed: int, rotate: bool) -> None:
+        self.rows = {False: stats.sample()}
+        self.signs = None
+        if rotate:
+            self.signs = hadamard_signs(d_c, seed)
+            rot = hadamard_rotation(self.signs)
+            plain = self.rows[False]
+            self.rows[True] = torch.cat((plain[:, :d_c] @ rot, plain[:, d_c:]), dim=1)
+        self.bounds = {r: percentile_bounds(rows, percentile) for r, rows in self.rows.items()}
+
+    def codec(self, name: str, clip: bool, rotate: bool, d_c: int, d_r: int) -> LayerCodec:
+        ckv, kpe = name.split("/")
+        lo, hi = self.bounds[rotate] if clip else (None, None)
+        return LayerCodec.from_names(ckv, kpe, d_c, d_r, lo, hi)
+
+
+def layer_variants(model: MLAModel, stats: list[LatentStats], cfg: CalibrateConfig) -> list[LayerVariants]:
+    d_c = model.cfg.kv_lora_rank
+    rotate = cfg.try_rotation and d_c & (d_c - 1) == 0
+    return [LayerVariants(s, d_c, cfg.percentile, cfg.seed + i, rotate) for i, s in enumerate(stats)]
+
+
+def measure_layers(
+    model: MLAModel, evaluator: Evaluator, variants: list[LayerVariants], cfg: CalibrateConfig, progress
+) -> list[list[Choice]]:
+    """Per layer, the candidates sorted by bytes, each with its best variant's single-layer loss."""
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    n = len(model.layers)
+    table = []
+    for i, v in enumerate(variants):
+        choices = []
+        for name in cfg.candidates:
+            row_bytes = v.codec(name, False, False, d_c, d_r).row_bytes
+            if name == "fp16/fp16":
+                choices.append(Choice(name, False, False, row_bytes, 0.0))
+                continue
+            best = None
+            for rotate in v.rows:
+                m = with_latent_rotation(model, {i: hadamard_rotation(v.signs)}) if rotate else model
+                for clip in (False, True) if cfg.try_clip else (False,):
+                    codecs = [None] * n
+                    codecs[i] = v.codec(name, clip, rotate, d_c, d_r)
+                    loss = evaluator.evaluate(codecs, first_layer=i, model=m).loss
+                    progress.update(1)
+                    if best is None or loss < best.loss:
+                        best = Choice(name, clip, rotate, row_bytes, loss)
+            choices.append(best)
+        table.append(sorted(choices, key=lambda c: (c.row_bytes, c.loss)))
+    return table
+
+
+def search(table: list[list[Choice]], target: float) -> list[int]:
+    """Index of the chosen candidate per layer: cheapest first, greedy upgrades by loss saved per byte."""
+    pick = [0] * len(table)
+    while sum(table[i][p].loss for i, p in enumerate(pick)) > target:
+        best, best_gain = None, 0.0
+        for i, p in enumerate(pick):
+            for q in range(p + 1, len(table[i])):
+                saved = table[i][p].loss - table[i][q].loss
+                gain = saved / max(1, table[i][q].row_bytes - table[i][p].row_bytes)
+                if saved > 0 and gain > best_gain:
+                    best, best_gain = (i, q), gain
+        if best is None:
+            break
+        pick[best[0]] = best[1]
+    return pick
+
+
+def max_row_error(rows: torch.Tensor, codec: LayerCodec) -> float:
+    """Worst per-row relative quantization error of calibration rows [n, d_c + d_r] (the guard's bound)."""
+    return float(codec.relative_error(rows, "none").max())
+
+
+def calibrate(
+    model: MLAModel,
+    cfg: CalibrateConfig,
+    data: str | Path | None = None,
+    val_data: str | Path | None = None,
+    test_data: str | Path | None = None,
+    quiet: bool = False,
+) -> tuple[Plan, dict]:
+    """Run the whole pipeline; returns the plan and a report dict (timings, per-split metrics)."""
+    if model.tokenizer is None:
+        raise MLAQuantError(f"{model.source}: no tokenizer.json; calibration needs text → tokens")
+    t0 = time.perf_counter()
+    eos = model.cfg.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    tok = model.tokenizer
+    cal = token_samples(tok, data or split_path("calibration"), cfg.samples, cfg.seq_len, cfg.seed, eos)
+    val = token_samples(tok, val_data or split_path("validation"), cfg.val_samples, cfg.seq_len, cfg.seed + 1, eos)
+    n_layers = len(model.layers)
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    d_pow2 = d_c & (d_c - 1) == 0
+    variants_per = (2 if cfg.try_clip else 1) * (2 if cfg.try_rotation and d_pow2 else 1)
+    int_candidates = sum(1 for c in cfg.candidates if c != "fp16/fp16") * variants_per
+    batches = lambda x: -(-x.shape[0] // cfg.batch_size)
+    total = batches(cal) + batches(val) + n_layers * int_candidates
+    with tqdm(total=total, desc="calibrate", disable=quiet, file=sys.stderr) as bar:
+        bar.set_postfix_str("observing ranges")
+        stats = observe(model, cal, cfg.batch_size, progress=bar)
+        variants = layer_variants(model, stats, cfg)
+        bar.set_postfix_str("fp16 reference")
+        evaluator = Evaluator(model, val, cfg.batch_size, progress=bar)
+        bar.set_postfix_str("per-layer sensitivity")
+        table = measure_layers(model, evaluator, variants, cfg, bar)
+    target = cfg.headroom * cfg.budget
+    pick = search(table, target)
+    fallbacks = []
+
+    def build() -> Plan:
+        layers, tensors = [], {}
+        for i, p in enumerate(pick):
+            ch, v = table[i][p], variants[i]
+            ckv, kpe = ch.name.split("/")
+            lo, hi = v.bounds[ch.rotate]
+            tensors[f"layer{i}.clip_lo"], tensors[f"layer{i}.clip_hi"] = lo, hi
+            if ch.rotate:
+                tensors[f"layer{i}.rotation_signs"] = v.signs
+            rows = v.rows[ch.rotate]
+            tensors[f"layer{i}.range_lo"], tensors[f"layer{i}.range_hi"] = rows.min(0).values, rows.max(0).values
+            err = max_row_error(rows, v.codec(ch.name, ch.clip, ch.rotate, d_c, d_r))
+            layers.append(LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.loss, err))
+        return Plan(layers=layers, fingerprint=model.fingerprint(), budget=cfg.budget, tensors=tensors)
+
+    plan = build()
+    result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
+    while result.loss > target:
+        movable = [i for i, p in enumerate(pick) if p + 1 < len(table[i])]
+        i = max(movable, key=lambda j: table[j][pick[j]].loss)
+        old = table[i][pick[i]]
+        pick[i] += 1
+        new = table[i][pick[i]]
+        fallbacks.append(
+            {
+                "layer": i,
+                "from": old.name,
+                "to": new.name,
+                "reason": f"plan validation loss {result.loss:.4%} > {target:.4%} (headroom × budget); "
+                f"layer {i} had the largest single-layer loss ({old.loss:.4%})",
+            }
+        )
+        log.info("fallback: layer %d %s → %s", i, old.name, new.name)
+        plan = build()
+        result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
+    report = {"validation": result.as_dict(), "candidates": [[dataclasses.asdict(c) for c in row] for row in table]}
+    if cfg.test_samples:
+        test = token_samples(tok, test_data or split_path("test"), cfg.test_samples, cfg.seq_len, cfg.seed + 2, eos)
+        report["test"] = (
+            Evaluator(model, test, cfg.batch_size)
+            .evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
+            .as_dict()
+        )
+    report["seconds"] = round(time.perf_counter() - t0, 1)
+    report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    plan.fallbacks = fallbacks
+    plan.metrics = {k: report[k] for k in ("validation", "test") if k in report} | {
+        "bytes_per_token_per_layer": plan.bytes_per_token(d_c, d_r) / n_layers,
+        "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
+        "fp16_bytes_per_token_per_layer": (d_c + d_r) * 2,
+    }
+    plan.settings = {
+        **to_dict(cfg),
+        "model": model.source,
+        "data": str(data or split_path("calibration")),
+        "val_data": str(val_data or split_path("validation")),
+        "test_data": str(test_data or split_path("test")),
+        "calibration_tokens": int(cal.numel()),
+        "validation_tokens": int(val.numel()),
+    }
+    return plan, report
+
+
+def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    fp16 = (d_c + d_r) * 2
+    lines = [
+        "| layer | c_kv | k_pe | clip | rotate | bytes/token | vs FP16 | val loss (layer alone) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, lp in enumerate(plan.layers):
+        rb = plan.layer_codec(i, d_c, d_r).row_bytes
+        flags = " | ".join("yes" if f else "no" for f in (lp.clip, lp.rotate))
+        lines.append(f"| {i} | {lp.ckv} | {lp.kpe} | {flags} | {rb} | {fp16 / rb:.2f}× | {lp.loss:+.3%} |")
+    total = plan.bytes_per_token(d_c, d_r)
+    lines.append(f"| all | | | | | {total} | {fp16 * len(plan.layers) / total:.2f}× | |")
+    out = "\n".join(lines)
+    for split in ("validation", "test"):
+        if split in report:
+            r = report[split]
+            out += (
+                f"\n{split:>10}: loss {r['loss']:+.3%} (ppl {r['ppl']:.3f}), KL {r['kl']:.5f}, "
+                f"top-1 {r['top1']:.2%}, {r['tokens']} tokens"
+            )
+    out += (
+        f"\nbudget {plan.budget:.2%}; {plan.bits_per_value(d_c, d_r):.2f} bits/value; "
+        f"{len(plan.fallbacks)} fallback(s); {report['seconds']} s, peak RSS {report['peak_rss_mib']} MiB"
+    )
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    p.add_argument("--data", default=None, help="calibration text: file, directory or JSONL (default: bundled)")
+    p.add_argument("--val-data", default=None, help="validation text for the plan search (default: bundled)")
+    p.add_argument("--test-data", default=None, help="held-out text for the reported numbers (default: bundled)")
+    p.add_argument("--config", default=None, help="calibration YAML (default: configs/calibrate.yaml)")
+    p.add_argument("--samples", type=int, default=None, help="calibration samples (default 512)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 512)")
+    p.add_argument("--budget", type=float, default=None, help="max relative perplexity increase (default 0.01)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--out", default="plans/default", help="plan directory to write")
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlaquant.loader import load_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    base = load_config(CalibrateConfig, args.config, "calibrate.yaml")
+    overrides = {
+        k: v
+        for k, v in {"samples": args.samples, "seq_len": args.seq_len, "budget": args.budget, "seed": args.seed}.items()
+        if v is not None
+    }
+    cfg = load_config(CalibrateConfig, {**to_dict(base), **overrides}, "calibrate.yaml")
+    model = load_model(args.model)
+    plan, report = calibrate(model, cfg, args.data, args.val_data, args.test_data)
+    out = plan.save(args.out)
+    print(summary_table(plan, model, report))
+    print(f"plan written to {out}/plan.yaml (+ scales.safetensors)")
+    return 0

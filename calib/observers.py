@@ -1,0 +1,79 @@
+"""Dynamic-range observers: per-layer, per-channel statistics of the latent rows [c_kv | k_pe].
+
+One pass of the model over the calibration samples records, for every layer and channel, the
+running min / max / absmax exactly, and keeps a strided subsample of rows (at most `max_rows` per
+layer) for percentiles and for measuring per-row quantization error and clip rate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mlaquant.errors import MLAQuantError
+from mlaquant.model import MLAModel
+
+
+@dataclass
+class LatentStats:
+    """Statistics of one layer's latent rows (float32, [d_c + d_r] per channel)."""
+
+    min: torch.Tensor
+    max: torch.Tensor
+    rows: list[torch.Tensor] = field(default_factory=list)
+    count: int = 0
+
+    @property
+    def absmax(self) -> torch.Tensor:
+        return torch.maximum(self.min.abs(), self.max.abs())
+
+    def sample(self) -> torch.Tensor:
+        """The kept subsample of rows [n, d_c + d_r]."""
+        return torch.cat(self.rows)
+
+    def percentile_bounds(self, q: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel (lo, hi) at quantiles (1 − q, q) of the subsample, widened to include 0."""
+        return percentile_bounds(self.sample(), q)
+
+
+def percentile_bounds(rows: torch.Tensor, q: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel (lo, hi) [d] at quantiles (1 − q, q) of rows [n, d], widened to include 0."""
+    n = rows.shape[0]
+    k_hi = min(n, max(1, round(q * n)))
+    hi = rows.kthvalue(k_hi, dim=0).values
+    lo = rows.kthvalue(n + 1 - k_hi, dim=0).values
+    return torch.minimum(lo, torch.zeros_like(lo)), torch.maximum(hi, torch.zeros_like(hi))
+
+
+class LatentObserver:
+    """`latent_rows` hook for `MLAModel.forward` that records `LatentStats` per layer."""
+
+    def __init__(self, num_layers: int, every: int = 1) -> None:
+        self.stats: list[LatentStats | None] = [None] * num_layers
+        self.every = every
+
+    def __call__(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        flat = rows.reshape(-1, rows.shape[-1]).float()
+        if not torch.isfinite(flat).all():
+            raise MLAQuantError(f"layer {layer}: latent rows contain NaN/Inf during calibration")
+        lo, hi = flat.min(0).values, flat.max(0).values
+        s = self.stats[layer]
+        if s is None:
+            s = self.stats[layer] = LatentStats(lo, hi)
+        else:
+            s.min, s.max = torch.minimum(s.min, lo), torch.maximum(s.max, hi)
+        s.rows.append(flat[(-s.count) % self.every :: self.every].clone())
+        s.count += flat.shape[0]
+        return rows
+
+
+def observe(model: MLAModel, samples: torch.Tensor, batch_size: int = 8, max_rows: int = 65536, progress=None):
+    """Run the calibration samples [N, T] through `model`; returns [LatentStats] per layer."""
+    every = max(1, samples.numel() // max_rows)
+    observer = LatentObserver(len(model.layers), every)
+    for ids in samples.split(batch_size):
+        model(ids, observer)
+        if progress is not None:
+            progress.update(1)
+    return observer.stats

@@ -1,0 +1,397 @@
+"""Row codecs of the quantized latent cache: one cached token row ↔ bytes.
+
+A layer's cached row is `[c_kv (d_c) | k_pe (d_r)]`; each part is stored by its own `RowCodec` and
+a `LayerCodec` concatenates the two byte strings. Everything is vectorised over rows (no Python
+loops) and runs on any device torch runs on.
+
+Codec names (`CodecSpec.parse` / `.name`): `fp32`, `bf16`, `fp16`, and for the integer kinds
+`int8|int4` + `-row` (one group = the whole part) or `-g<N>` (groups of N channels) + optional
+`-asym`. Bare `int8` means `int8-g64`, bare `int4` means `int4-g32`, both symmetric.
+
+Byte layout of one part of width W with G = W / group_size groups (all multi-byte values
+little-endian; groups run along the channel dimension, channel c belongs to group c // group_size):
+
+    fp32 / bf16 / fp16   W values                                      4W / 2W / 2W bytes
+    int8 symmetric       W int8 codes q | G fp16 scales s              W + 2G bytes
+    int8 asymmetric      W uint8 codes q | G fp16 scales s | G fp16 lo  W + 4G bytes
+    int4 symmetric       W/2 bytes of codes | G fp16 scales s          W/2 + 2G bytes
+    int4 asymmetric      W/2 bytes of codes | G fp16 scales s | G fp16 lo  W/2 + 4G bytes
+
+  symmetric:  x̂ = q * s,       q = clamp(round(x / s), -qmax, qmax), s ≥ absmax(group) / qmax
+  asymmetric: x̂ = q * s + lo,  q = clamp(round((x - lo) / s), 0, 2*qmax+1), lo ≤ min(group),
+              s ≥ (max(group) - lo) / (2*qmax+1)                       (qmax = 127 int8, 7 int4)
+  int4 packing: byte j holds channel 2j in its low nibble and channel 2j+1 in its high nibble;
+  symmetric codes are stored biased, as q + 8 (so 1..15; 0 is never written).
+
+Scales and zero points are computed in FP32, then rounded to FP16 — the scale *up* and `lo` *down*
+to the next FP16 value, so the group's whole range stays representable (this matters for tiny
+ranges where FP16 is subnormal) — and the codes are computed with the FP16 values, so decoding is
+exactly consistent with encoding: |x - x̂| ≤ s/2 for every unclipped value. An all-zero group gets
+s = 0 and decodes to exact zeros. Decoding computes `q * s (+ lo)` in FP32.
+
+Worked examples, DeepSeek d_c = 512, d_r = 64 (one token, one layer):
+
+    fp16 / fp16                 1024 + 128                      = 1152 B  (16.0 bits/value)
+    int8-g64 / fp16             (512 + 8*2) + 128               =  656 B  ( 9.11 bits/value)
+    int8-g64 / int8-g64         (512 + 8*2) + (64 + 1*2)        =  594 B  ( 8.25 bits/value)
+    int4-g32 / fp16             (256 + 16*2) + 128              =  416 B  ( 5.78 bits/value)
+    int4-g32 / int8-g32         (256 + 16*2) + (64 + 2*2)       =  356 B  ( 4.94 bits/value)
+    int4-g32-asym / int8-g32    (256 + 16*4) + (64 + 2*2)       =  388 B  ( 5.39 bits/value)
+
+Rows carry no padding: `row_bytes` is exactly codes + scales + zero points.
+
+Calibrated clipping: `RowCodec(..., clip_lo, clip_hi)` takes per-channel bounds [W] from calibration;
+values are clamped to them before each row's group range is taken (each row's scales still come from
+its own range at write time). For symmetric codecs pass `clip_lo = -clip_hi` (an absmax bound); a
+missing side is mirrored for symmetric codecs and unbounded for asymmetric ones.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from mlaquant.errors import MLAQuantError
+
+FLOAT_KINDS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INT_KINDS = {"int8": 8, "int4": 4}
+DEFAULT_GROUP = {"int8": 64, "int4": 32}
+_NAME_RE = re.compile(r"^(int8|int4)(?:-(row|g(\d+)))?(?:-(sym|asym))?$")
+
+
+class CodecError(MLAQuantError, ValueError):
+    """A codec name or codec/width combination that cannot be built (the message names it)."""
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """How one part of a row (c_kv or k_pe) is stored. `group_size=None` = one group per row."""
+
+    kind: str
+    group_size: int | None = None
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in FLOAT_KINDS and self.kind not in INT_KINDS:
+            known = ", ".join([*FLOAT_KINDS, *INT_KINDS])
+            raise CodecError(f"codec kind '{self.kind}' unknown (known: {known})")
+        if self.kind in FLOAT_KINDS and (self.group_size is not None or not self.symmetric):
+            raise CodecError(f"codec '{self.kind}' takes no group size or asymmetry")
+        g = self.group_size
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g <= 0):
+            raise CodecError(f"codec '{self.kind}': group_size must be a positive int, got {g!r}")
+
+    @classmethod
+    def parse(cls, name: str) -> CodecSpec:
+        """'fp16', 'int8' (= int8-g64), 'int8-row', 'int8-g32', 'int4' (= int4-g32), 'int4-g64-asym', ..."""
+        text = name.strip().lower() if isinstance(name, str) else name
+        if text in FLOAT_KINDS:
+            return cls(text)
+        m = _NAME_RE.match(text) if isinstance(text, str) else None
+        if m is None:
+            raise CodecError(
+                f"codec name {name!r} not understood (expected fp32, bf16, fp16, or "
+                "int8|int4[-row|-g<N>][-asym], e.g. 'int4-g32', 'int8-row-asym')"
+            )
+        kind, group, group_n, sym = m.groups()
+        if group is None:
+            group_size = DEFAULT_GROUP[kind]
+        elif group == "row":
+            group_size = None
+        else:
+            group_size = int(group_n)
+        return cls(kind, group_size, sym != "asym")
+
+    @property
+    def name(self) -> str:
+        """Canonical name: `parse(spec.name) == spec`."""
+        if self.kind in FLOAT_KINDS:
+            return self.kind
+        group = "row" if self.group_size is None else f"g{self.group_size}"
+        return f"{self.kind}-{group}" + ("" if self.symmetric else "-asym")
+
+    @property
+    def bits(self) -> int:
+        """Code bits per value (scales and zero points not included)."""
+        if self.kind in FLOAT_KINDS:
+            return torch.finfo(FLOAT_KINDS[self.kind]).bits
+        return INT_KINDS[self.kind]
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind in FLOAT_KINDS
+
+    def wider(self) -> CodecSpec | None:
+        """Fallback order int4 → int8 (same grouping/symmetry) → fp16 → None (float kinds)."""
+        if self.kind == "int4":
+            return CodecSpec("int8", self.group_size, self.symmetric)
+        if self.kind == "int8":
+            return CodecSpec("fp16")
+        return None
+
+
+def _fp16_round(x: Tensor, up: bool) -> Tensor:
+    """FP32 → the nearest FP16 value ≥ x (`up`) or ≤ x, as float32 (finite x; may overflow to ±inf)."""
+    h = x.to(torch.float16)
+    miss = h.float() < x if up else h.float() > x
+    # Step one FP16 ulp through the bit pattern: device-agnostic, no half nextafter needed.
+    # Zeros are normalised to +0 (stepping up) or -0 (stepping down) so the step never crosses the sign.
+    zero = torch.zeros_like(h) if up else torch.full_like(h, -0.0)
+    bits = torch.where(h == 0, zero, h).view(torch.int16).to(torch.int32)
+    towards_larger_magnitude = (bits >= 0) == up
+    stepped = torch.where(towards_larger_magnitude, bits + 1, bits - 1).to(torch.int16).view(torch.float16)
+    return torch.where(miss, stepped, h).float()
+
+
+class RowCodec:
+    """Encodes rows [..., width] (float) to bytes [..., row_bytes] (uint8) and back.
+
+    Attributes beside `spec`, `width`, `row_bytes` describe the layout for kernels: `group_size`,
+    `n_groups`, `code_bytes` (bytes of codes), `scale_offset` and `zero_offset` (byte offsets of the
+    FP16 scales / FP16 lo arrays inside the part; None where absent).
+    """
+
+    def __init__(
+        self, spec: CodecSpec, width: int, clip_lo: Tensor | None = None, clip_hi: Tensor | None = None
+    ) -> None:
+        if width <= 0:
+            raise CodecError(f"codec {spec.name}: width must be > 0, got {width}")
+        self.spec = spec
+        self.width = int(width)
+        if spec.is_float:
+            self.group_size, self.n_groups = self.width, 0
+            self.code_bytes = self.width * spec.bits // 8
+            self.scale_offset = self.zero_offset = None
+            self.row_bytes = self.code_bytes
+        else:
+            g = spec.group_size or self.width
+            if self.width % g:
+                raise CodecError(f"codec {spec.name}: group size {g} does not divide width {self.width}")
+            if spec.kind == "int4" and self.width % 2:
+                raise CodecError(f"codec {spec.name}: int4 needs an even width, got {self.width}")
+            self.group_size, self.n_groups = g, self.width // g
+            self.code_bytes = self.width * spec.bits // 8
+            self.scale_offset = self.code_bytes
+            self.zero_offset = None if spec.symmetric else self.code_bytes + 2 * self.n_groups
+            self.row_bytes = self.code_bytes + 2 * self.n_groups * (1 if spec.symmetric else 2)
+        self.clip_lo, self.clip_hi = self._clip_bounds(clip_lo, clip_hi)
+
+    def _clip_bounds(self, lo: Tensor | None, hi: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        if lo is None and hi is None:
+            return None, None
+        for name, t in (("clip_lo", lo), ("clip_hi", hi)):
+            if t is not None and tuple(t.shape) != (self.width,):
+                shape = list(t.shape)
+                raise CodecError(f"codec {self.spec.name}: {name} must be [{self.width}], got {shape}")
+        if self.spec.symmetric:
+            lo = -hi if lo is None else lo
+            hi = -lo if hi is None else hi
+        else:
+            lo = torch.full((self.width,), -torch.inf) if lo is None else lo
+            hi = torch.full((self.width,), torch.inf) if hi is None else hi
+        lo, hi = lo.detach().float(), hi.detach().float()
+        if torch.isnan(lo).any() or torch.isnan(hi).any() or (lo > hi).any():
+            raise CodecError(f"codec {self.spec.name}: clip bounds contain NaN or clip_lo > clip_hi")
+        return lo, hi
+
+    def __repr__(self) -> str:
+        clip = ", clipped" if self.clip_lo is not None else ""
+        return f"RowCodec({self.spec.name}, width={self.width}, row_bytes={self.row_bytes}{clip})"
+
+    @property
+    def qmax(self) -> int:
+        """Largest symmetric code magnitude (127 / 7); asymmetric codes run 0..2*qmax+1."""
+        return (1 << (self.spec.bits - 1)) - 1
+
+    def _clip(self, x: Tensor) -> Tensor:
+        if self.clip_lo is None:
+            return x
+        return torch.clamp(x, self.clip_lo.to(x.device), self.clip_hi.to(x.device))
+
+    def encode(self, x: Tensor) -> Tensor:
+        """[..., width] float → uint8 [..., row_bytes]. NaN/Inf input raises ValueError."""
+        if x.shape[-1:] != (self.width,) or not x.is_floating_point():
+            raise ValueError(
+                f"codec {self.spec.name}: expected float rows [..., {self.width}], got {x.dtype} {list(x.shape)}"
+            )
+        lead = x.shape[:-1]
+        x = x.reshape(-1, self.width)
+        if self.spec.is_float:
+            out = x.to(FLOAT_KINDS[self.spec.kind], copy=True).contiguous()  # codes never alias the input
+            bad_in, bad_out = torch.stack([~torch.isfinite(x).all(), ~torch.isfinite(out).all()]).tolist()
+            self._raise_if(bad_in, bad_out, "values exceed the range of " + self.spec.kind)
+            return out.view(torch.uint8).reshape(*lead, self.row_bytes)
+        x32 = x.float()
+        xg = self._clip(x32).reshape(-1, self.n_groups, self.group_size)  # [N, G, g]
+        if self.spec.symmetric:
+            scale = _fp16_round(xg.abs().amax(-1) / self.qmax, up=True)  # [N, G]
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+            q = torch.clamp(torch.round(xg / safe), -self.qmax, self.qmax)
+            params = [scale]
+        else:
+            levels = 2 * self.qmax + 1
+            lo = _fp16_round(xg.amin(-1), up=False)
+            scale = _fp16_round((xg.amax(-1) - lo) / levels, up=True)
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+            q = torch.clamp(torch.round((xg - lo.unsqueeze(-1)) / safe), 0, levels)
+            params = [scale, lo]
+        p = torch.stack(params, 0)
+        bad_in, bad_out = torch.stack([~torch.isfinite(x32).all(), ~torch.isfinite(p).all()]).tolist()
+        self._raise_if(bad_in, bad_out, "group range exceeds the FP16 range of scales/zero points")
+        codes = self._pack(q.view(-1, self.width))
+        tail = [t.to(torch.float16).view(torch.uint8) for t in params]  # [N, 2G] each, little-endian
+        return torch.cat([codes, *tail], dim=1).reshape(*lead, self.row_bytes)
+
+    def _raise_if(self, bad_in: bool, bad_out: bool, what: str) -> None:
+        if bad_in:
+            raise ValueError(f"codec {self.spec.name}: input contains NaN or Inf")
+        if bad_out:
+            raise ValueError(f"codec {self.spec.name}: {what}")
+
+    def _pack(self, q: Tensor) -> Tensor:
+        """Integer-valued float codes [N, W] → code bytes [N, code_bytes]."""
+        if self.spec.kind == "int8":
+            return q.to(torch.int8).view(torch.uint8) if self.spec.symmetric else q.to(torch.uint8)
+        nib = (q + 8 if self.spec.symmetric else q).to(torch.uint8).view(-1, self.width // 2, 2)
+        return nib[..., 0] | (nib[..., 1] << 4)
+
+    def _unpack(self, codes: Tensor) -> Tensor:
+        """Code bytes [N, code_bytes] → float32 codes [N, W] (signed for symmetric)."""
+        if self.spec.kind == "int8":
+            return (codes.view(torch.int8) if self.spec.symmetric else codes).float()
+        nib = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(-1, self.width).float()
+        return nib - 8 if self.spec.symmetric else nib
+
+    def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """uint8 [..., row_bytes] → [..., width] in `dtype` (computed in FP32, then cast)."""
+        if codes.dtype != torch.uint8 or codes.shape[-1:] != (self.row_bytes,):
+            raise ValueError(
+                f"codec {self.spec.name}: expected uint8 [..., {self.row_bytes}], got {codes.dtype} {list(codes.shape)}"
+            )
+        lead = codes.shape[:-1]
+        codes = codes.reshape(-1, self.row_bytes)
+        if self.spec.is_float:
+            vals = codes.contiguous().view(FLOAT_KINDS[self.spec.kind])
+            return vals.to(dtype, copy=True).reshape(*lead, self.width)  # never a view of the cache
+        q = self._unpack(codes[:, : self.code_bytes].contiguous()).view(-1, self.n_groups, self.group_size)
+        scale = codes[:, self.scale_offset : self.scale_offset + 2 * self.n_groups].contiguous()
+        x = q * scale.view(torch.float16).float().unsqueeze(-1)
+        if not self.spec.symmetric:
+            lo = codes[:, self.zero_offset : self.zero_offset + 2 * self.n_groups].contiguous()
+            x = x + lo.view(torch.float16).float().unsqueeze(-1)
+        return x.view(-1, self.width).to(dtype).reshape(*lead, self.width)
+
+    def fake_quant(self, x: Tensor) -> Tensor:
+        """decode(encode(x)) in x's dtype — bit-identical to that composition by construction."""
+        return self.decode(self.encode(x), dtype=x.dtype)
+
+    def clip_rate(self, x: Tensor) -> float:
+        """Fraction of the values of x [..., width] outside [clip_lo, clip_hi] (0.0 without clipping)."""
+        if self.clip_lo is None or x.numel() == 0:
+            return 0.0
+        lo, hi = self.clip_lo.to(x.device), self.clip_hi.to(x.device)
+        return ((x < lo) | (x > hi)).float().mean().item()
+
+    def relative_error(self, x: Tensor, reduction: str = "mean") -> Tensor | float:
+        """||fake_quant(x) - x|| / ||x|| per row ([...] tensor, reduction='none') or its mean (float)."""
+        return _relative_error(self.fake_quant(x), x, reduction)
+
+
+def _relative_error(xq: Tensor, x: Tensor, reduction: str) -> Tensor | float:
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    x32 = x.float()
+    err = torch.linalg.vector_norm(xq.float() - x32, dim=-1)
+    norm = torch.linalg.vector_norm(x32, dim=-1)
+    rel = torch.where(norm > 0, err / torch.where(norm > 0, norm, torch.ones_like(norm)), err)
+    return rel if reduction == "none" else rel.mean().item()
+
+
+class LayerCodec:
+    """One layer's row = [c_kv part | k_pe part], concatenated bytes (k_pe part at byte `ckv.row_bytes`)."""
+
+    def __init__(self, ckv: RowCodec, kpe: RowCodec) -> None:
+        self.ckv, self.kpe = ckv, kpe
+        self.row_bytes = ckv.row_bytes + kpe.row_bytes
+        self.width = ckv.width + kpe.width
+
+    @staticmethod
+    def from_names(
+        ckv: str | CodecSpec,
+        kpe: str | CodecSpec,
+        d_c: int,
+        d_r: int,
+        clip_lo: Tensor | None = None,
+        clip_hi: Tensor | None = None,
+    ) -> LayerCodec:
+        """Build from codec names; `clip_lo`/`clip_hi` are per-channel bounds over the whole row [d_c + d_r]
+        (use ±inf for channels that should not be clipped)."""
+        specs = [s if isinstance(s, CodecSpec) else CodecSpec.parse(s) for s in (ckv, kpe)]
+        # a group at least as wide as the part is the whole row ("int8" = int8-g64 on a 32-wide k_pe)
+        specs = [
+            replace(s, group_size=None) if s.group_size is not None and s.group_size >= w else s
+            for s, w in zip(specs, (d_c, d_r))
+        ]
+        for name, t in (("clip_lo", clip_lo), ("clip_hi", clip_hi)):
+            if t is not None and tuple(t.shape) != (d_c + d_r,):
+                raise CodecError(f"layer codec: {name} must have shape [{d_c + d_r}], got {list(t.shape)}")
+        part = lambda t, sl: None if t is None else t[sl]
+        c, r = slice(0, d_c), slice(d_c, d_c + d_r)
+        return LayerCodec(
+            RowCodec(specs[0], d_c, part(clip_lo, c), part(clip_hi, c)),
+            RowCodec(specs[1], d_r, part(clip_lo, r), part(clip_hi, r)),
+        )
+
+    @property
+    def name(self) -> str:
+        """'<ckv>/<kpe>', e.g. 'int4-g32/int8-g32'."""
+        return f"{self.ckv.spec.name}/{self.kpe.spec.name}"
+
+    def __repr__(self) -> str:
+        dims = f"d_c={self.ckv.width}, d_r={self.kpe.width}"
+        return f"LayerCodec({self.name}, {dims}, row_bytes={self.row_bytes})"
+
+    def _check_rows(self, rows: Tensor) -> None:
+        if rows.shape[-1:] != (self.width,):
+            shape = list(rows.shape)
+            raise ValueError(f"layer codec {self.name}: expected rows [..., {self.width}], got {shape}")
+
+    def encode(self, rows: Tensor) -> Tensor:
+        """[..., d_c + d_r] float → uint8 [..., row_bytes]."""
+        self._check_rows(rows)
+        c_kv, k_pe = rows.split([self.ckv.width, self.kpe.width], dim=-1)
+        return torch.cat([self.ckv.encode(c_kv), self.kpe.encode(k_pe)], dim=-1)
+
+    def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """uint8 [..., row_bytes] → [..., d_c + d_r] in `dtype`."""
+        if codes.shape[-1:] != (self.row_bytes,):
+            shape = list(codes.shape)
+            raise ValueError(f"layer codec {self.name}: expected [..., {self.row_bytes}] bytes, got {shape}")
+        c, r = codes.split([self.ckv.row_bytes, self.kpe.row_bytes], dim=-1)
+        return torch.cat([self.ckv.decode(c, dtype), self.kpe.decode(r, dtype)], dim=-1)
+
+    def fake_quant(self, rows: Tensor) -> Tensor:
+        """decode(encode(rows)) in rows' dtype."""
+        return self.decode(self.encode(rows), dtype=rows.dtype)
+
+    def clip_rate(self, rows: Tensor) -> float:
+        """Fraction of the values of rows [..., d_c + d_r] outside the calibrated clip bounds."""
+        self._check_rows(rows)
+        c_kv, k_pe = rows.split([self.ckv.width, self.kpe.width], dim=-1)
+        n_c, n_r = c_kv.numel(), k_pe.numel()
+        if n_c + n_r == 0:
+            return 0.0
+        return (self.ckv.clip_rate(c_kv) * n_c + self.kpe.clip_rate(k_pe) * n_r) / (n_c + n_r)
+
+    def relative_error(self, rows: Tensor, reduction: str = "mean") -> Tensor | float:
+        """||fake_quant(rows) - rows|| / ||rows|| over whole rows, per row ('none') or mean."""
+        self._check_rows(rows)
+        return _relative_error(self.fake_quant(rows), rows, reduction)
+
+
+def bits_per_value(codec: LayerCodec | RowCodec) -> float:
+    """Stored bits per cached value, scales and zero points included: 8 * row_bytes / width."""
+    return 8.0 * codec.row_bytes / codec.width

@@ -1,0 +1,112 @@
+"""Teacher-forced accuracy of a cache plan: relative perplexity increase, KL and top-1 agreement.
+
+The plan's codecs fake-quantize (encode → decode) every layer's latent rows before attention, so each
+token attends to exactly what a quantized cache would return for all earlier tokens and itself — the
+strict form of the numerics contract, equal to step-by-step decode over the quantized cache (a test
+proves it). The reference is the FP16 cache ("fp16" plan) on the same tokens.
+
+    loss  = ppl_plan / ppl_fp16 − 1 = exp(mean NLL_plan − mean NLL_fp16) − 1
+    kl    = mean over predicted tokens of KL(p_fp16 ‖ p_plan)          (nats)
+    top1  = fraction of predicted tokens whose argmax agrees with FP16's
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mlaquant.codecs import LayerCodec
+from mlaquant.errors import MLAQuantError
+from mlaquant.model import MLAModel
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Metrics of one plan on one token set (loss/kl/top1 against the FP16 cache)."""
+
+    nll: float
+    ppl: float
+    loss: float
+    kl: float
+    top1: float
+    tokens: int
+
+    def as_dict(self) -> dict:
+        return {k: (round(v, 8) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
+
+
+def fake_quant_hook(codecs: list[LayerCodec | None]) -> Callable:
+    """latent_rows hook quantizing layer i's rows with codecs[i] (None leaves the layer exact)."""
+
+    def hook(layer: int, rows: torch.Tensor) -> torch.Tensor:
+        codec = codecs[layer]
+        if codec is None:
+            return rows
+        if not torch.isfinite(rows).all():
+            raise MLAQuantError(f"layer {layer}: latent rows contain NaN/Inf")
+        return codec.fake_quant(rows)
+
+    return hook
+
+
+class Evaluator:
+    """Scores plans on fixed samples [N, T] against the FP16-cache reference, computed once.
+
+    The reference's per-layer hidden states are kept so that a plan changing only layers ≥ i
+    re-runs from layer i (`first_layer`).
+    """
+
+    def __init__(self, model: MLAModel, samples: torch.Tensor, batch_size: int = 8, progress=None) -> None:
+        if samples.dim() != 2 or samples.shape[1] < 2:
+            raise MLAQuantError(f"evaluation samples must be [N, T ≥ 2], got {list(samples.shape)}")
+        self.model = model
+        self.samples = samples
+        self.batches = list(samples.split(batch_size))
+        d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+        self.fp16 = [LayerCodec.from_names("fp16", "fp16", d_c, d_r) for _ in model.layers]
+        self.ref_logp: list[torch.Tensor] = []
+        self.ref_inputs: list[list[torch.Tensor]] = []
+        nll = 0.0
+        for ids in self.batches:
+            inputs: list[torch.Tensor] = []
+            logits = model(ids, fake_quant_hook(self.fp16), layer_inputs=inputs)[:, :-1]
+            logp = F.log_softmax(logits, -1)
+            nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
+            self.ref_logp.append(logp.half())
+            self.ref_inputs.append(inputs)
+            if progress is not None:
+                progress.update(1)
+        self.tokens = samples.shape[0] * (samples.shape[1] - 1)
+        self.ref_nll = nll / self.tokens
+
+    def evaluate(
+        self, codecs: list[LayerCodec | None], first_layer: int = 0, model: MLAModel | None = None
+    ) -> EvalResult:
+        """Metrics with layer i's latent through codecs[i] (None = FP16). Layers < first_layer must be
+        None or FP16 (they are replayed from the reference). `model` replaces the reference model
+        (e.g. with rotated latents, `Plan.apply`); its layers < first_layer must be the reference's."""
+        model = self.model if model is None else model
+        hook_codecs = [c if c is not None else f for c, f in zip(codecs, self.fp16)]
+        nll = kl = agree = 0.0
+        for ids, ref_logp, inputs in zip(self.batches, self.ref_logp, self.ref_inputs):
+            logits = model(ids, fake_quant_hook(hook_codecs), start_layer=first_layer, hidden=inputs[first_layer])[
+                :, :-1
+            ]
+            logp = F.log_softmax(logits, -1)
+            ref = ref_logp.float()
+            nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
+            kl += (ref.exp() * (ref - logp)).sum().item()
+            agree += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
+        nll /= self.tokens
+        return EvalResult(
+            nll=nll,
+            ppl=math.exp(nll),
+            loss=math.exp(nll - self.ref_nll) - 1,
+            kl=kl / self.tokens,
+            top1=agree / self.tokens,
+            tokens=self.tokens,
+        )

@@ -1,0 +1,76 @@
+"""Runtime guard: rows far outside the calibrated range widen that layer, and only that layer."""
+
+from __future__ import annotations
+
+import torch
+from mlaquant.calib.calibrate import max_row_error
+from mlaquant.calib.observers import observe
+
+from mlaquant import DecodeSession
+from mlaquant.codecs import LayerCodec
+from mlaquant.guard import Guard
+from mlaquant.plan import LayerPlan, Plan
+
+
+def calibrated_plan(model, codec: str = "int4") -> Plan:
+    cfg = model.cfg
+    d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    ids = torch.randint(0, cfg.vocab_size, (8, 64), generator=torch.Generator().manual_seed(0))
+    stats = observe(model, ids)
+    layers, tensors = [], {}
+    for i, s in enumerate(stats):
+        tensors[f"layer{i}.range_lo"], tensors[f"layer{i}.range_hi"] = s.min, s.max
+        c = LayerCodec.from_names(codec, codec, d_c, d_r)
+        layers.append(LayerPlan(c.ckv.spec.name, c.kpe.spec.name, max_rel_error=max_row_error(s.sample(), c)))
+    return Plan(layers=layers, tensors=tensors)
+
+
+def test_in_distribution_prompt_raises_no_event(tiny_model):
+    plan = calibrated_plan(tiny_model)
+    session = DecodeSession(tiny_model, plan=plan, guard=Guard({"check_every": 2}))
+    ids = torch.randint(0, tiny_model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    session.prefill(ids)
+    for t in range(4):
+        session.decode(ids[:, t])
+    assert session.fallback_events == []
+
+
+def test_rows_scaled_past_calibrated_range_widen_that_layer(tiny_model):
+    plan = calibrated_plan(tiny_model)
+    guard = Guard()
+    session = DecodeSession(tiny_model, plan=plan, guard=guard)
+    ids = torch.randint(0, tiny_model.cfg.vocab_size, (1, 30), generator=torch.Generator().manual_seed(6))
+    session.prefill(ids)
+    assert session.fallback_events == []
+    rows = [session.cache.read(i, 0) for i in range(tiny_model.cfg.num_hidden_layers)]
+    rows[1] = rows[1] * 50
+    guard.check(session, rows, "test")
+    assert [e["layer"] for e in session.fallback_events] == [1]
+    assert "outside 1.5× the calibrated range" in session.fallback_events[0]["reason"]
+    assert session.cache.codec(1).name == "int8-row/int8-row" and session.cache.codec(0).name == "int4-row/int4-row"
+    # once widened, the range signal no longer widens further; the error bound still would
+    guard.check(session, rows, "again")
+    assert len(session.fallback_events) == 1
+
+
+def test_check_every_counts_decode_steps(tiny_model):
+    plan = calibrated_plan(tiny_model)
+    checks = []
+
+    class Spy(Guard):
+        def check(self, session, rows, when):
+            checks.append(when)
+
+    session = DecodeSession(tiny_model, plan=plan, guard=Spy({"check_every": 3}))
+    session.prefill([[1, 2, 3]])
+    for _ in range(7):
+        session.decode([4])
+    assert checks == ["prefill", "decode step 3", "decode step 6"]
+
+
+def test_uniform_plans_are_not_guarded(tiny_model):
+    session = DecodeSession(tiny_model, plan="int4", guard=Guard({"check_every": 1}))
+    session.prefill([[1, 2, 3]])
+    rows = [session.cache.read(i, 0) * 100 for i in range(tiny_model.cfg.num_hidden_layers)]
+    session.guard.check(session, rows, "test")
+    assert session.fallback_events == []
