@@ -4,8 +4,9 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
 
 1. observe   calibration split, `samples` × `seq_len` tokens → per-layer, per-channel ranges of the
              latent rows (min/max and the `percentile` quantile) and a row subsample.
-2. measure   validation split: for every layer and candidate codec (with and without clipping to
-             the calibrated ranges, the better kept) the loss with only that layer quantized.
+2. measure   validation split: for every layer and candidate codec the loss with only that layer
+             quantized, in the variant (clipped to the calibrated ranges or not, Hadamard-rotated
+             or not) with the lowest row error on the calibration rows.
 3. search    every layer starts at its cheapest candidate; while the summed single-layer losses
              exceed `headroom × budget`, upgrade the layer/candidate with the best loss saved per
              byte added.
@@ -30,16 +31,17 @@ import time
 from pathlib import Path
 
 import torch
-from mlaquant.calib.data import split_path, token_samples
-from mlaquant.calib.observers import LatentStats, observe, percentile_bounds
 from tqdm import tqdm
 
+from mlaquant.calib.data import split_path, token_samples
+from mlaquant.calib.observers import LatentStats, observe, percentile_bounds
 from mlaquant.codecs import LayerCodec
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.errors import MLAQuantError
 from mlaquant.eval import Evaluator
 from mlaquant.model import MLAModel, hadamard_rotation, hadamard_signs, with_latent_rotation
 from mlaquant.plan import LayerPlan, Plan
+from mlaquant.stream import StreamedEvaluator, StreamedModel, observe_streamed
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class CalibrateConfig:
     version: int = 1
     samples: int = 512
     seq_len: int = 512
-    val_samples: int = 64
+    val_samples: int = 32
     test_samples: int = 128
     budget: float = 0.01
     headroom: float = 0.8
@@ -104,16 +106,40 @@ class LayerVariants:
         return LayerCodec.from_names(ckv, kpe, d_c, d_r, lo, hi)
 
 
+def rotated(model: MLAModel | StreamedModel, rotations: dict[int, torch.Tensor]) -> MLAModel | StreamedModel:
+    """`with_latent_rotation` for a loaded or a layer-streamed (`--stream`) model."""
+    return model.rotated(rotations) if isinstance(model, StreamedModel) else with_latent_rotation(model, rotations)
+
+
+def applied(plan: Plan, model: MLAModel | StreamedModel) -> MLAModel | StreamedModel:
+    """`plan.apply(model)` for a loaded or a layer-streamed model."""
+    return model.rotated(plan.rotations()) if isinstance(model, StreamedModel) else plan.apply(model)
+
+
 def layer_variants(model: MLAModel, stats: list[LatentStats], cfg: CalibrateConfig) -> list[LayerVariants]:
     d_c = model.cfg.kv_lora_rank
     rotate = cfg.try_rotation and d_c & (d_c - 1) == 0
     return [LayerVariants(s, d_c, cfg.percentile, cfg.seed + i, rotate) for i, s in enumerate(stats)]
 
 
+def best_variant(v: LayerVariants, name: str, try_clip: bool, d_c: int, d_r: int) -> tuple[bool, bool]:
+    """(rotate, clip) with the lowest mean relative row error on the calibration rows.
+
+    Rotation is orthogonal, so the relative error of a row is comparable with and without it; this
+    cheap proxy picks the variant, and only that variant's loss is measured on validation.
+    """
+    errors = {
+        (rotate, clip): v.codec(name, clip, rotate, d_c, d_r).relative_error(v.rows[rotate])
+        for rotate in v.rows
+        for clip in ((False, True) if try_clip else (False,))
+    }
+    return min(errors, key=errors.get)
+
+
 def measure_layers(
     model: MLAModel, evaluator: Evaluator, variants: list[LayerVariants], cfg: CalibrateConfig, progress
 ) -> list[list[Choice]]:
-    """Per layer, the candidates sorted by bytes, each with its best variant's single-layer loss."""
+    """Per layer, the candidates sorted by bytes, each with its single-layer validation loss."""
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     n = len(model.layers)
     table = []
@@ -124,17 +150,14 @@ def measure_layers(
             if name == "fp16/fp16":
                 choices.append(Choice(name, False, False, row_bytes, 0.0))
                 continue
-            best = None
-            for rotate in v.rows:
-                m = with_latent_rotation(model, {i: hadamard_rotation(v.signs)}) if rotate else model
-                for clip in (False, True) if cfg.try_clip else (False,):
-                    codecs = [None] * n
-                    codecs[i] = v.codec(name, clip, rotate, d_c, d_r)
-                    loss = evaluator.evaluate(codecs, first_layer=i, model=m).loss
-                    progress.update(1)
-                    if best is None or loss < best.loss:
-                        best = Choice(name, clip, rotate, row_bytes, loss)
-            choices.append(best)
+            rotate, clip = best_variant(v, name, cfg.try_clip, d_c, d_r)
+            m = with_latent_rotation(model, {i: hadamard_rotation(v.signs)}) if rotate else model
+            codecs = [None] * n
+            codecs[i] = v.codec(name, clip, rotate, d_c, d_r)
+            choices.append(
+                Choice(name, clip, rotate, row_bytes, evaluator.evaluate(codecs, first_layer=i, model=m).loss)
+            )
+            progress.update(1)
         table.append(sorted(choices, key=lambda c: (c.row_bytes, c.loss)))
     return table
 
@@ -173,6 +196,8 @@ def calibrate(
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json; calibration needs text → tokens")
     t0 = time.perf_counter()
+    streamed = isinstance(model, StreamedModel)  # layer-major twins of observe / Evaluator, same numbers
+    observe_fn, evaluator_cls = (observe_streamed, StreamedEvaluator) if streamed else (observe, Evaluator)
     eos = model.cfg.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
     tok = model.tokenizer
@@ -180,17 +205,15 @@ def calibrate(
     val = token_samples(tok, val_data or split_path("validation"), cfg.val_samples, cfg.seq_len, cfg.seed + 1, eos)
     n_layers = len(model.layers)
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    d_pow2 = d_c & (d_c - 1) == 0
-    variants_per = (2 if cfg.try_clip else 1) * (2 if cfg.try_rotation and d_pow2 else 1)
-    int_candidates = sum(1 for c in cfg.candidates if c != "fp16/fp16") * variants_per
+    int_candidates = sum(1 for c in cfg.candidates if c != "fp16/fp16")
     batches = lambda x: -(-x.shape[0] // cfg.batch_size)
     total = batches(cal) + batches(val) + n_layers * int_candidates
     with tqdm(total=total, desc="calibrate", disable=quiet, file=sys.stderr) as bar:
         bar.set_postfix_str("observing ranges")
-        stats = observe(model, cal, cfg.batch_size, progress=bar)
+        stats = observe_fn(model, cal, cfg.batch_size, progress=bar)
         variants = layer_variants(model, stats, cfg)
         bar.set_postfix_str("fp16 reference")
-        evaluator = Evaluator(model, val, cfg.batch_size, progress=bar)
+        evaluator = evaluator_cls(model, val, cfg.batch_size, progress=bar)
         bar.set_postfix_str("per-layer sensitivity")
         table = measure_layers(model, evaluator, variants, cfg, bar)
     target = cfg.headroom * cfg.budget
@@ -213,7 +236,7 @@ def calibrate(
         return Plan(layers=layers, fingerprint=model.fingerprint(), budget=cfg.budget, tensors=tensors)
 
     plan = build()
-    result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
+    result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
     while result.loss > target:
         movable = [i for i, p in enumerate(pick) if p + 1 < len(table[i])]
         i = max(movable, key=lambda j: table[j][pick[j]].loss)
@@ -231,13 +254,13 @@ def calibrate(
         )
         log.info("fallback: layer %d %s → %s", i, old.name, new.name)
         plan = build()
-        result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
+        result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
     report = {"validation": result.as_dict(), "candidates": [[dataclasses.asdict(c) for c in row] for row in table]}
     if cfg.test_samples:
         test = token_samples(tok, test_data or split_path("test"), cfg.test_samples, cfg.seq_len, cfg.seed + 2, eos)
         report["test"] = (
-            Evaluator(model, test, cfg.batch_size)
-            .evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
+            evaluator_cls(model, test, cfg.batch_size)
+            .evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
             .as_dict()
         )
     report["seconds"] = round(time.perf_counter() - t0, 1)
@@ -299,6 +322,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=None, help="max relative perplexity increase (default 0.01)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", default="plans/default", help="plan directory to write")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="load one decoder layer at a time (peak memory ≈ one layer + activations; same plan)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -312,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
         if v is not None
     }
     cfg = load_config(CalibrateConfig, {**to_dict(base), **overrides}, "calibrate.yaml")
-    model = load_model(args.model)
+    model = StreamedModel(args.model) if args.stream else load_model(args.model)
     plan, report = calibrate(model, cfg, args.data, args.val_data, args.test_data)
     out = plan.save(args.out)
     print(summary_table(plan, model, report))

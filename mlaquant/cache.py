@@ -11,6 +11,10 @@ paged blocks of `block_size` tokens (64, like FlashMLA):
 Nothing is sized to a maximum length: a pool starts with the blocks the first write needs and doubles
 its capacity when full; a sequence takes a new block each `block_size` tokens.
 
+With a residual window R (KIVI-style), the most recent R rows of each sequence stay FP16 in a small
+per-layer buffer and are encoded into the paged pool only when they leave the window; rows are
+rounded to FP16 on arrival, so a row is quantized from its FP16 value either way.
+
 A layer whose codec is widened at run time (the guard's fallback) starts a new *segment* with the
 wider codec: older rows stay in the old segment, new rows go to the new one, and attention merges the
 two partial softmaxes by their log-sum-exp. Each segment records where every sequence's rows begin.
@@ -93,11 +97,17 @@ class Segment:
 class LatentCache:
     """Paged latent cache for `batch` sequences, one codec per layer (see module docstring)."""
 
-    def __init__(self, codecs: list[LayerCodec], batch: int, block_size: int = 64, device: str = "cpu") -> None:
+    def __init__(
+        self, codecs: list[LayerCodec], batch: int, block_size: int = 64, device: str = "cpu", window: int = 0
+    ) -> None:
         self.batch = batch
         self.block_size = block_size
         self.device = torch.device(device)
+        self.window = window
         self.layers: list[list[Segment]] = [[Segment(c, block_size, batch, self.device)] for c in codecs]
+        self.recent: list[list[torch.Tensor]] = [
+            [torch.empty(0, c.width, dtype=torch.float16, device=self.device) for _ in range(batch)] for c in codecs
+        ]
 
     def codec(self, layer: int) -> LayerCodec:
         """The codec new rows of `layer` are written with."""
@@ -105,28 +115,47 @@ class LatentCache:
 
     def length(self, b: int) -> int:
         last = self.layers[0][-1]
-        return last.starts[b] + last.lens[b]
+        return last.starts[b] + last.lens[b] + self.recent[0][b].shape[0]
 
-    def write(self, layer: int, b: int, rows: torch.Tensor) -> torch.Tensor:
-        """Encode and append rows [n, d_c + d_r] to sequence b; returns the encoded bytes [n, row_bytes]."""
+    def write(self, layer: int, b: int, rows: torch.Tensor) -> None:
+        """Append rows [n, d_c + d_r] to sequence b (through the FP16 window when there is one)."""
         seg = self.layers[layer][-1]
-        codes = seg.codec.encode(rows)
-        seg.append(b, codes)
-        return codes
+        if not self.window:
+            seg.append(b, seg.codec.encode(rows))
+            return
+        recent = torch.cat((self.recent[layer][b], rows.to(torch.float16)))
+        leaving = recent.shape[0] - self.window
+        if leaving > 0:
+            seg.append(b, seg.codec.encode(recent[:leaving].float()))
+            recent = recent[leaving:]
+        self.recent[layer][b] = recent
+
+    def recent_rows(self, layer: int, b: int) -> torch.Tensor:
+        """The FP16 window rows of sequence b (oldest first) as float32 [≤ window, d_c + d_r]."""
+        return self.recent[layer][b].float()
 
     def read(self, layer: int, b: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """All rows of sequence b in `layer`, decoded, in token order: [length, d_c + d_r]."""
-        parts = [seg.read(b, dtype) for seg in self.layers[layer]]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        """All rows of sequence b in `layer` as attention sees them, in token order: [length, d_c + d_r]."""
+        parts = [seg.read(b, dtype) for seg in self.layers[layer]] + [self.recent[layer][b].to(dtype)]
+        return torch.cat(parts)
+
+    def read_quantized(self, layer: int, b: int) -> torch.Tensor:
+        """All rows of sequence b as they read once quantized (window rows through the current codec)."""
+        parts = [seg.read(b) for seg in self.layers[layer]]
+        if self.window:
+            parts.append(self.codec(layer).fake_quant(self.recent_rows(layer, b)))
+        return torch.cat(parts)
 
     def widen(self, layer: int, codec: LayerCodec) -> None:
         """Write `layer`'s future rows with `codec` (older rows keep theirs)."""
+        last = self.layers[layer][-1]
         seg = Segment(codec, self.block_size, self.batch, self.device)
-        seg.starts = [self.length(b) for b in range(self.batch)]
+        seg.starts = [last.starts[b] + last.lens[b] for b in range(self.batch)]
         self.layers[layer].append(seg)
 
     def nbytes(self) -> int:
-        return sum(sum(seg.lens) * seg.codec.row_bytes for segs in self.layers for seg in segs)
+        paged = sum(sum(seg.lens) * seg.codec.row_bytes for segs in self.layers for seg in segs)
+        return paged + sum(r.numel() * 2 for rows in self.recent for r in rows)
 
     def padding_nbytes(self) -> int:
         return sum(
@@ -136,4 +165,6 @@ class LatentCache:
         )
 
     def reserved_nbytes(self) -> int:
-        return sum(seg.pool.numel() for segs in self.layers for seg in segs)
+        return sum(seg.pool.numel() for segs in self.layers for seg in segs) + self.window * self.batch * sum(
+            2 * segs[0].codec.width for segs in self.layers
+        )

@@ -39,16 +39,23 @@ class EvalResult:
         return {k: (round(v, 8) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
 
 
-def fake_quant_hook(codecs: list[LayerCodec | None]) -> Callable:
-    """latent_rows hook quantizing layer i's rows with codecs[i] (None leaves the layer exact)."""
+def fake_quant_hook(codecs: list[LayerCodec | None], window: int = 0) -> Callable:
+    """latent_rows hook quantizing layer i's rows with codecs[i] (None leaves the layer exact).
 
-    def hook(layer: int, rows: torch.Tensor) -> torch.Tensor:
+    With a residual window the cache holds rows as FP16 and quantizes them from FP16 when they leave
+    the window, so the hook returns (fake_quant(fp16(rows)), fp16(rows)) for `MLAModel.forward`.
+    """
+
+    def hook(layer: int, rows: torch.Tensor):
         codec = codecs[layer]
         if codec is None:
             return rows
         if not torch.isfinite(rows).all():
             raise MLAQuantError(f"layer {layer}: latent rows contain NaN/Inf")
-        return codec.fake_quant(rows)
+        if not window:
+            return codec.fake_quant(rows)
+        near = rows.half().to(rows.dtype)
+        return codec.fake_quant(near), near
 
     return hook
 
@@ -84,18 +91,18 @@ class Evaluator:
         self.ref_nll = nll / self.tokens
 
     def evaluate(
-        self, codecs: list[LayerCodec | None], first_layer: int = 0, model: MLAModel | None = None
+        self, codecs: list[LayerCodec | None], first_layer: int = 0, model: MLAModel | None = None, window: int = 0
     ) -> EvalResult:
         """Metrics with layer i's latent through codecs[i] (None = FP16). Layers < first_layer must be
         None or FP16 (they are replayed from the reference). `model` replaces the reference model
-        (e.g. with rotated latents, `Plan.apply`); its layers < first_layer must be the reference's."""
+        (e.g. with rotated latents, `Plan.apply`); its layers < first_layer must be the reference's.
+        `window` > 0 keeps each query's most recent `window` rows FP16 (a plan's residual window)."""
         model = self.model if model is None else model
         hook_codecs = [c if c is not None else f for c, f in zip(codecs, self.fp16)]
         nll = kl = agree = 0.0
         for ids, ref_logp, inputs in zip(self.batches, self.ref_logp, self.ref_inputs):
-            logits = model(ids, fake_quant_hook(hook_codecs), start_layer=first_layer, hidden=inputs[first_layer])[
-                :, :-1
-            ]
+            hook = fake_quant_hook(hook_codecs, window)
+            logits = model(ids, hook, start_layer=first_layer, hidden=inputs[first_layer], window=window)[:, :-1]
             logp = F.log_softmax(logits, -1)
             ref = ref_logp.float()
             nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()

@@ -263,27 +263,49 @@ class MLAAttention(nn.Module):
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
     def forward_expanded(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        rows: torch.Tensor | None = None,
+        rows_near: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """Causal attention over the whole sequence with K/V expanded from the latent.
 
-        x: [B, T, hidden]; rows (optional) replaces this layer's latent [B, T, d_c + d_r] (used to
-        check that absorbed decode equals expanded attention on the same, e.g. fake-quantized, rows).
+        x: [B, T, hidden]; rows (optional) replaces this layer's latent [B, T, d_c + d_r] (e.g. the
+        fake-quantized rows a cache would return). With `rows_near` [B, T, d_c + d_r] and `window` R,
+        query t reads rows_near for keys t−R < s ≤ t and `rows` for older keys: an exact simulation of
+        a cache that keeps its most recent R rows unquantized.
         """
         cfg = self.cfg
         B, T, _ = x.shape
         q_nope, q_pe = self._query(x, cos, sin)
-        rows = self.latent(x, cos, sin) if rows is None else rows
-        c_kv, k_pe = rows.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(c_kv).view(B, T, cfg.num_attention_heads, -1)  # [B, T, H, d_n + d_v]
-        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k = torch.cat((k_nope, k_pe[:, :, None].expand(-1, -1, cfg.num_attention_heads, -1)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
+
+        def expand(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            c_kv, k_pe = r.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            kv = self.kv_b_proj(c_kv).view(B, T, cfg.num_attention_heads, -1)  # [B, T, H, d_n + d_v]
+            k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+            return torch.cat((k_nope, k_pe[:, :, None].expand(-1, -1, cfg.num_attention_heads, -1)), dim=-1), v
+
+        k, v = expand(self.latent(x, cos, sin) if rows is None else rows)
         scores = torch.einsum("bthd,bshd->bhts", q, k) * self.scale  # [B, H, T, T]
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        pos = torch.arange(T, device=x.device)
+        causal = pos[None] <= pos[:, None]
+        near = None
+        if rows_near is not None:
+            k_near, v_near = expand(rows_near)
+            near = causal & (pos[:, None] - pos[None] < window)
+            scores = torch.where(near, torch.einsum("bthd,bshd->bhts", q, k_near) * self.scale, scores)
         probs = scores.masked_fill(~causal, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-        out = torch.einsum("bhts,bshd->bthd", probs, v).reshape(B, T, -1)
-        return self.o_proj(out)
+        if near is None:
+            out = torch.einsum("bhts,bshd->bthd", probs, v)
+        else:
+            out = torch.einsum("bhts,bshd->bthd", probs * ~near, v) + torch.einsum(
+                "bhts,bshd->bthd", probs * near, v_near
+            )
+        return self.o_proj(out.reshape(B, T, -1))
 
     def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] → q_abs [B, T, H, d_c + d_r] = [q_nope·W_UK | q_pe]."""
@@ -438,10 +460,12 @@ class MLAModel(nn.Module):
         start_layer: int = 0,
         hidden: torch.Tensor | None = None,
         layer_inputs: list | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """Full-sequence causal forward with expanded K/V. input_ids [B, T] → logits [B, T, V] float32.
 
-        `latent_rows(layer, rows) -> rows` may replace each layer's latent (e.g. fake quantization).
+        `latent_rows(layer, rows)` may replace each layer's latent (e.g. fake quantization): it returns
+        rows, or (rows, rows_near) to simulate a cache whose most recent `window` rows are rows_near.
         `hidden` [B, T, hidden] resumes at `start_layer` from a saved input of that layer (calibration
         re-runs only the layers after the one it perturbs); `layer_inputs`, if a list, receives every
         layer's input hidden state.
@@ -454,10 +478,12 @@ class MLAModel(nn.Module):
             if layer_inputs is not None:
                 layer_inputs.append(h)
             x = layer.input_layernorm(h)
-            rows = None
+            rows = near = None
             if latent_rows is not None:
                 rows = latent_rows(i, layer.self_attn.latent(x, cos, sin))
-            h = layer._mlp(h + layer.self_attn.forward_expanded(x, cos, sin, rows))
+                if isinstance(rows, tuple):
+                    rows, near = rows
+            h = layer._mlp(h + layer.self_attn.forward_expanded(x, cos, sin, rows, near, window))
         return self.lm_head(self.norm(h)).float()
 
     @torch.no_grad()

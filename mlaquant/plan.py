@@ -62,6 +62,8 @@ class Plan:
     layers: list[LayerPlan]
     version: int = PLAN_VERSION
     fingerprint: str | None = None
+    # residual window: the most recent `window` rows of every layer stay FP16 (0 = off)
+    window: int = 0
     budget: float | None = None
     metrics: dict = dataclasses.field(default_factory=dict)
     settings: dict = dataclasses.field(default_factory=dict)
@@ -71,17 +73,25 @@ class Plan:
 
     @classmethod
     def uniform(cls, name: str, num_layers: int) -> Plan:
-        """The same codec in every layer: 'fp16', 'int8', 'int4', ... or '<ckv>/<kpe>'."""
+        """The same codec in every layer: 'fp16', 'int8', 'int4', ... or '<ckv>/<kpe>', optionally with a
+        residual FP16 window of R tokens as '+w<R>' (e.g. 'int4+w64')."""
+        name, _, win = name.partition("+w")
+        window = int(win) if win.isdigit() else None
+        if win and window is None:
+            raise CodecError(f"window suffix '+w{win}' must be an integer number of tokens")
         ckv, _, kpe = name.partition("/")
         kpe = kpe or ckv
         for n in (ckv, kpe):
             CodecSpec.parse(n)
-        return cls(layers=[LayerPlan(CodecSpec.parse(ckv).name, CodecSpec.parse(kpe).name) for _ in range(num_layers)])
+        layers = [LayerPlan(CodecSpec.parse(ckv).name, CodecSpec.parse(kpe).name) for _ in range(num_layers)]
+        return cls(layers=layers, window=window or 0)
 
     @property
     def name(self) -> str:
         names = {lp.codec_name for lp in self.layers}
-        return names.pop() if len(names) == 1 and not self.fingerprint else "calibrated"
+        if len(names) != 1 or self.fingerprint:
+            return "calibrated"
+        return names.pop() + (f"+w{self.window}" if self.window else "")
 
     def layer_codec(self, i: int, d_c: int, d_r: int, ckv: str | None = None, kpe: str | None = None) -> LayerCodec:
         """Layer i's codec (optionally with other codec names but the same calibrated clip ranges)."""

@@ -29,17 +29,31 @@ from mlaquant.plan import Plan, resolve_plan
 log = logging.getLogger(__name__)
 
 
-def latent_attention(q: torch.Tensor, rows: torch.Tensor, d_c: int, scale: float) -> torch.Tensor:
+def latent_attention(
+    q: torch.Tensor, rows: torch.Tensor, d_c: int, scale: float, near: torch.Tensor | None = None, window: int = 0
+) -> torch.Tensor:
     """Causal absorbed attention of the last T positions of a sequence over its rows.
 
-    q: [T, H, d_c + d_r] absorbed queries of positions L-T .. L-1; rows: [L, d_c + d_r] float32.
-    Returns o_lat [T, H, d_c] float32.
+    q: [T, H, d_c + d_r] absorbed queries of positions L-T .. L-1; rows: [L, d_c + d_r] float32 as
+    read from the cache. With `near` [W, d_c + d_r] (the unquantized rows of the last W positions) and
+    `window` R, a query at position p reads `near` for keys p−R < s ≤ p — the residual FP16 window
+    simulated exactly per query. Returns o_lat [T, H, d_c] float32.
     """
     T, L = q.shape[0], rows.shape[0]
     scores = torch.einsum("thd,ld->htl", q.float(), rows) * scale  # [H, T, L]
-    visible = torch.arange(L, device=q.device)[None] <= torch.arange(L - T, L, device=q.device)[:, None]
+    q_pos = torch.arange(L - T, L, device=q.device)[:, None]
+    visible = torch.arange(L, device=q.device)[None] <= q_pos
+    if near is None:
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        return torch.einsum("htl,lc->thc", probs, rows[:, :d_c])
+    W = near.shape[0]
+    use_near = (q_pos - torch.arange(L - W, L, device=q.device)[None] < window) & visible[:, L - W :]  # [T, W]
+    near_scores = torch.einsum("thd,wd->htw", q.float(), near) * scale
+    scores[..., L - W :] = torch.where(use_near, near_scores, scores[..., L - W :])
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    return torch.einsum("htl,lc->thc", probs, rows[:, :d_c])
+    out = torch.einsum("htl,lc->thc", probs, rows[:, :d_c])
+    delta = near[:, :d_c] - rows[L - W :, :d_c]
+    return out + torch.einsum("htw,wc->thc", probs[..., L - W :] * use_near, delta)
 
 
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
@@ -98,7 +112,7 @@ class DecodeSession:
         self.fallback_events: list[dict] = []
 
     def _new_cache(self, batch: int) -> LatentCache:
-        return LatentCache(self.codecs, batch, self.runtime.block_size, self.model.device)
+        return LatentCache(self.codecs, batch, self.runtime.block_size, self.model.device, self.plan.window)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor | Sequence[Sequence[int]], lengths=None) -> torch.Tensor:
@@ -127,10 +141,16 @@ class DecodeSession:
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
 
         def attend(layer: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            window = self.plan.window
+            before = self.cache.recent_rows(layer, b) if window else None
             self.cache.write(layer, b, rows[0])
             if self.guard is not None:
                 written[layer].append(rows[0])
-            return latent_attention(q[0], self.cache.read(layer, b), self.d_c, self.scale)[None]
+            if not window:
+                return latent_attention(q[0], self.cache.read(layer, b), self.d_c, self.scale)[None]
+            near = torch.cat((before, rows[0].half().float()))
+            quantized = self.cache.read_quantized(layer, b)
+            return latent_attention(q[0], quantized, self.d_c, self.scale, near, window)[None]
 
         return self.model.forward_absorbed(ids, positions, attend)
 
@@ -161,12 +181,28 @@ class DecodeSession:
         """One query per sequence q [B, H, d_c + d_r] over all of `layer`'s cached rows → [B, H, d_c]."""
         outs, lses = [], []
         for seg in self.cache.layers[layer]:
+            if sum(seg.lens) == 0:
+                continue
             out, lse = ops.mla_decode(
                 q, seg.pool, seg.block_table(), seg.seq_lens(), seg.codec, self.d_c, self.scale, self.backend
             )
             outs.append(out)
             lses.append(lse)
+        if self.plan.window:
+            out, lse = self._attend_window(layer, q)
+            outs.append(out)
+            lses.append(lse)
         return merge_partials(outs, lses)
+
+    def _attend_window(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention partial over the FP16 window rows: q [B, H, D] → out [B, H, d_c], lse [B, H]."""
+        recent = [self.cache.recent_rows(layer, b) for b in range(q.shape[0])]
+        rows = torch.nn.utils.rnn.pad_sequence(recent, batch_first=True)  # [B, W, D]
+        valid = torch.arange(rows.shape[1], device=q.device)[None] < torch.tensor([r.shape[0] for r in recent])[:, None]
+        scores = torch.einsum("bhd,bwd->bhw", q, rows) * self.scale
+        scores = scores.masked_fill(~valid[:, None], float("-inf"))
+        lse = scores.logsumexp(-1)
+        return torch.einsum("bhw,bwc->bhc", (scores - lse[..., None]).exp(), rows[..., : self.d_c]), lse
 
     def cache_nbytes(self) -> int:
         """Bytes the cache stores for the tokens so far (codes, scales, zero points; no page padding)."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from mlaquant.calib.calibrate import max_row_error
-from mlaquant.calib.observers import observe
 
 from mlaquant import DecodeSession
+from mlaquant.calib.calibrate import max_row_error
+from mlaquant.calib.observers import observe
 from mlaquant.codecs import LayerCodec
 from mlaquant.guard import Guard
 from mlaquant.plan import LayerPlan, Plan

@@ -1,0 +1,127 @@
+"""Calibration on the bundled model: plans under budget, real fallback, clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mlaquant import DecodeSession, load_model
+from mlaquant.calib.calibrate import CalibrateConfig, calibrate
+from mlaquant.calib.data import token_samples
+from mlaquant.config import ConfigError
+from mlaquant.errors import MLAQuantError
+from mlaquant.plan import Plan
+
+SMALL = dict(samples=16, seq_len=128, val_samples=8, test_samples=4, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def plan_1pct(bundled):
+    return calibrate(bundled, CalibrateConfig(**SMALL, budget=0.01), quiet=True)
+
+
+def test_plan_is_under_budget_on_validation_and_loads(bundled, plan_1pct, tmp_path):
+    plan, report = plan_1pct
+    assert report["validation"]["loss"] <= 0.8 * 0.01
+    cfg = bundled.cfg
+    fp16 = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * cfg.num_hidden_layers
+    assert plan.bytes_per_token(cfg.kv_lora_rank, cfg.qk_rope_head_dim) < fp16 / 2
+    plan.save(tmp_path / "plan")
+    session = DecodeSession(bundled, plan=tmp_path / "plan")
+    assert [c.name for c in session.codecs] == [
+        c.name for c in Plan.load(tmp_path / "plan").layer_codecs(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    ]
+
+
+def test_tighter_budget_gives_wider_plan(bundled, plan_1pct):
+    cfg = bundled.cfg
+    d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    tight, report = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.0001), quiet=True)
+    assert tight.bytes_per_token(d_c, d_r) > plan_1pct[0].bytes_per_token(d_c, d_r)
+    assert report["validation"]["loss"] <= 0.8 * 0.0001
+
+
+def test_outlier_layer_falls_back_while_others_stay_narrow(bundled, plan_1pct):
+    layer = 2
+    norm = bundled.layers[layer].self_attn.kv_a_layernorm.weight
+    original = norm.detach().clone()
+    with torch.no_grad():
+        norm.mul_(30.0)  # sharper attention in this layer only: its cache error is amplified 30×
+    try:
+        plan, _ = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.01), quiet=True)
+    finally:
+        with torch.no_grad():
+            norm.copy_(original)
+    d_c, d_r = bundled.cfg.kv_lora_rank, bundled.cfg.qk_rope_head_dim
+    rows = [plan.layer_codec(i, d_c, d_r).row_bytes for i in range(len(plan.layers))]
+    base = [plan_1pct[0].layer_codec(i, d_c, d_r).row_bytes for i in range(len(plan.layers))]
+    assert rows[layer] > base[layer]
+    assert all(rows[i] == min(rows) for i in range(len(rows)) if i != layer)
+
+
+def test_bad_inputs(bundled, tmp_path):
+    with pytest.raises(ConfigError, match="budget must be in"):
+        CalibrateConfig(budget=1.5)
+    with pytest.raises(ConfigError, match="samples must be > 0"):
+        CalibrateConfig(samples=0)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    with pytest.raises(MLAQuantError, match="no text"):
+        calibrate(bundled, CalibrateConfig(**SMALL), data=empty, quiet=True)
+    short = tmp_path / "short.txt"
+    short.write_text("def f(x):\n    return x + 1\n" * 40)
+    with pytest.warns(UserWarning, match="using"):
+        samples = token_samples(bundled.tokenizer, short, 100, 64)
+    assert 0 < samples.shape[0] < 100
+
+
+def test_nan_activation_names_the_layer(bundled):
+    w = bundled.layers[1].self_attn.kv_a_proj_with_mqa.weight
+    original = w.detach().clone()
+    with torch.no_grad():
+        w[0, 0] = float("nan")
+    try:
+        with pytest.raises(MLAQuantError, match="layer 1: latent rows contain NaN"):
+            calibrate(bundled, CalibrateConfig(**SMALL), quiet=True)
+    finally:
+        with torch.no_grad():
+            w.copy_(original)
+
+
+def test_cli_errors_are_one_line_and_leave_no_plan_dir(tmp_path):
+    out = tmp_path / "plan"
+    for args, message in [
+        (["--budget", "2"], "budget must be in (0, 1)"),
+        (["--samples", "0"], "samples must be > 0"),
+        (["--data", str(tmp_path / "missing.txt")], "data not found"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "mlaquant.cli", "calibrate", "--out", str(out), *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith("mlaquant calibrate: error:")
+        assert message in proc.stderr
+        assert not out.exists()
+
+
+def test_interrupted_save_leaves_no_partial_directory(plan_1pct, tmp_path, monkeypatch):
+    import mlaquant.plan as plan_module
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_module, "save_file", boom)
+    with pytest.raises(KeyboardInterrupt):
+        plan_1pct[0].save(tmp_path / "plan")
+    assert list(tmp_path.iterdir()) == []
