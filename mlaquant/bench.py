@@ -4,6 +4,8 @@
                             attention shapes (random weights): ours (absorbed, paged latent cache, FP16 /
                             INT8 / INT4) against transformers' DeepseekV2 (re-expands K/V every step)
     mlaquant bench kernels  the Triton kernels on a CUDA device (see mlaquant.kernels.bench)
+    mlaquant bench memory   cache bytes per token per layer: FP16 latent vs the per-head K/V of MHA
+                            with the same heads, for DeepSeek-V3, V2-Lite and the bundled model
 
 Both caches are filled with the same latent rows (no prefill), then each side decodes `--steps` tokens;
 the median step time is reported.
@@ -47,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--steps", type=int, default=5, help="timed decode steps per configuration")
     d.add_argument("--codecs", default="fp16,int8,int4", help="our cache codecs to time (first is the base)")
     d.add_argument("--out", default=None, help="also write the table as JSON here")
+    m = sub.add_parser("memory", help="FP16 latent vs per-head K/V cache bytes per token per layer")
+    m.add_argument("--model", default=None, help="also a checkpoint directory (default: the bundled model)")
     k = sub.add_parser("kernels", help="Triton kernel benchmark (needs CUDA)")
     from mlaquant.kernels import bench as kernel_bench
 
@@ -133,9 +137,43 @@ def format_row(row: dict, codecs: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+# (name, H, d_c, d_r, d_n, d_v) of published configs
+PUBLISHED_SHAPES = [("DeepSeek-V3 / R1", 128, 512, 64, 128, 128), ("DeepSeek-V2-Lite", 16, 512, 64, 128, 128)]
+
+
+def memory_table(model_path: str | None) -> str:
+    """Markdown: FP16 cache bytes per token per layer, MLA latent vs MHA per-head K/V."""
+    from mlaquant.loader import default_model_path, read_config
+
+    path = Path(model_path) if model_path else default_model_path()
+    cfg = read_config(path)
+    shapes = [
+        *PUBLISHED_SHAPES,
+        (
+            f"{path.name} (this checkpoint)",
+            cfg.num_attention_heads,
+            cfg.kv_lora_rank,
+            cfg.qk_rope_head_dim,
+            cfg.qk_nope_head_dim,
+            cfg.v_head_dim,
+        ),
+    ]
+    lines = [
+        "| model | H | MLA latent (d_c + d_r) × 2 B | MHA K/V H × (d_n + d_r + d_v) × 2 B | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for name, h, d_c, d_r, d_n, d_v in shapes:
+        latent, mha = (d_c + d_r) * 2, h * (d_n + d_r + d_v) * 2
+        lines.append(f"| {name} | {h} | {latent} | {mha} | {mha / latent:.1f}× |")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.bench == "kernels":
         return args._kernels(args)
+    if args.bench == "memory":
+        print(memory_table(args.model))
+        return 0
     try:
         contexts = [int(c) for c in args.contexts.split(",")]
     except ValueError as e:
