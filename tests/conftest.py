@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -25,6 +27,10 @@ BASE = dict(
     n_group=1,
     topk_group=1,
 )
+# Triton kernels run on the CPU under the interpreter; it must be chosen before triton is imported,
+# and any test module may be the first to import it.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 YARN = {
     "rope_theta": 10000.0,
     "rope_type": "yarn",

@@ -1,0 +1,652 @@
+"""Triton MLA decode over a paged, quantized latent cache (one query token per sequence).
+
+Decode absorbs W_UK into the query, so attention is MQA with one KV head whose row is the cached latent
+`[c_kv (d_c) | k_pe (d_r)]`; V is `c_kv` itself:
+
+    score[b, h, t] = scale * (q[b, h, :d_c] · c_kv[t] + q[b, h, d_c:] · k_pe[t])
+    out[b, h]      = Σ_t softmax_t(score[b, h, :]) · c_kv[t]            -> [B, H, d_c] float32
+    lse[b, h]      = log Σ_t exp(score[b, h, t])                        -> [B, H] float32 (natural log)
+
+Inputs: `q` [B, H, d_c + d_r] fp16/bf16/fp32, `pool` uint8 [num_blocks, P, row_bytes] with pages of
+P = 64 tokens (any P works), `block_table` int32 [B, max_blocks] (token t of sequence b is row t % P of block
+`block_table[b, t // P]`; entries past the sequence are never read), `seq_lens` int32 [B] (0 gives out 0,
+lse −inf; other integer dtypes of the two index tensors are converted), `codec` a
+`mlaquant.codecs.LayerCodec`. Slots past a sequence's end are never read, so they may hold anything (NaN
+included).
+
+Bytes read per row (little-endian; the c_kv part at byte 0, the k_pe part at byte `codec.ckv.row_bytes`;
+each part of width W in groups of G channels, n_g = W / G, see `mlaquant.codecs`):
+
+    fp16            W fp16 values                       2W bytes
+    int8 sym        W int8 codes | n_g fp16 scales       x = q * s
+    int8 asym       W uint8 codes | n_g fp16 s | n_g fp16 lo     x = q * s + lo
+    int4 sym        W/2 bytes (low nibble = channel 2j, high = 2j+1, stored q + 8, q in [-7, 7]) | n_g fp16 s
+    int4 asym       W/2 bytes (nibbles q in [0, 15]) | n_g fp16 s | n_g fp16 lo
+    fp32 / bf16     refused here (BackendError): they exist for exactness checks on the torch path.
+
+Scores. A float part (fp16) is a FP16 x FP16 `tl.dot` with FP32 accumulation. For an integer part the
+query is quantized on the fly per (token, head, group) with the cache part's grouping:
+`qs = absmax(q_group) / 127` (FP32, IEEE division), `q8 = round_half_even(q_group / qs)` (an all-zero group
+gets qs = 1, q8 = 0); then per group one INT8 x INT8 -> INT32 `tl.dot` with the group's codes, exact, scaled
+into FP32: `qs * s * dot8` (+ `qs * lo' * Σq8` for asymmetric groups). INT4 nibbles are unpacked and
+interleaved in registers into an INT8 tile. Asymmetric INT8 codes (0..255) enter the dot as `q - 128`
+with `lo' = lo + 128 * s`; asymmetric INT4 codes enter unchanged (lo' = lo). `quantize_query` and
+`score_group_dots` expose this path so tests can check it bit-exactly against torch.
+
+P·V: V is dequantized in-kernel in FP32 (`q * s (+ lo)`, exactly the codec's decode), rounded to FP16, and
+multiplied with P rounded to FP16 (FP32 accumulation), once per tile for all heads of the program. The
+alternative, INT8 P·V, must fold the per-token V scales into P (they vary along the reduction axis) and
+re-quantize P per (head, group) every tile. Measured in a torch emulation of both (d_c 512, 1024 tokens,
+16 heads, 32-token tiles, FP64 reference on the same dequantized cache), the relative L2 output error is
+1.6e-4 for FP16 P·V and 7.9e-3 for INT8 P·V (int8-g64; 8.5e-3 for int4-g32) — as large as the int8-g64
+cache's own error on the output (8.7e-3), i.e. INT8 P·V would double the accuracy loss of an INT8 cache.
+It would also cost n_g small MMAs and n_g INT32->FP32 rescales per tile instead of one dequantize (W FMAs
+per token, shared by all heads) and one MMA. Speed could not be measured here (no GPU). FP16 P·V is the
+choice (FlashMLA also dequantizes to 16-bit for P·V).
+
+Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page; by default
+from `configs/kernels.yaml` by the batch's longest context: 512 below 2k tokens, 768 for 2k-8k, 1024 above).
+Stage 1 runs one program per (sequence, block of heads, chunk) with an FP32 online softmax (base 2) and
+writes the chunk's normalized partial output h_k [d_c] and its natural-log LSE λ_k. Stage 2 folds the
+chunks of each sequence left to right:
+
+    g = σ(λ_a − λ_b)             computed in FP32, then rounded to FP16 (ĝ)
+    h = ĝ·h_a + (1 − ĝ)·h_b       FP16 gate applied to FP32 accumulators (1 − ĝ is exact in FP32)
+    λ = max + log(e^(λ_a−max) + e^(λ_b−max))   FP32, unaffected by the gate rounding
+
+Gate error bound. ĝ = fl16(g) has |ĝ − g| ≤ 2^-11·g for g ≥ 2^-14 and ≤ 2^-25 below (FP16 subnormals),
+so one merge is off by (ĝ − g)(h_a − h_b), at most (2^-11 + 2^-25)·|h_a − h_b| per channel. Every partial is a
+softmax average of V rows, so |h_a − h_b|_c ≤ R_c = max_t v[t, c] − min_t v[t, c] (the channel's spread over
+the context), and an error already in h_a is multiplied by ĝ ≤ 1, never amplified. After S chunks
+(S − 1 merges), against one exact softmax over the whole context:
+
+    |h_c − h_exact,c| ≤ (S − 1) · 2^-11 · (1 + 2^-10) · R_c  +  S · 2^-20 · max_t |v[t, c]|
+
+The (1 + 2^-10) absorbs the FP32 sigmoid's few-ulp error before the FP16 rounding and the subnormal term;
+the second term covers the FP32 products and sums of each merge and the FP32 partials themselves.
+`merge_error_bound` computes it. It is a worst case: neighbouring chunks' partials are usually much closer
+than R_c; measured in tests/test_kernel_mla_decode.py, the error is 0.2-18 % of the bound (S = 2..64).
+
+GPU limits (checked, BackendError): power-of-two widths and groups; integer groups of ≥ 32 channels (INT8
+`tl.dot` needs K ≥ 32); fp16 parts ≥ 16 wide; FP16 scales 2-byte aligned. Under TRITON_INTERPRET=1 any
+power-of-two width/group runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton  # an ImportError here is what mlaquant.ops turns into "backend 'triton' unavailable"
+import triton.language as tl
+from torch import Tensor
+
+from mlaquant.config import ConfigError, load_config
+from mlaquant.errors import BackendError
+
+PAGE_TOKENS = 64
+_KIND_FP16, _KIND_INT8, _KIND_INT4 = 0, 1, 2
+_LOG2E = 1.4426950408889634
+
+
+@dataclass
+class KernelConfig:
+    """Launch settings of the decode kernels (`configs/kernels.yaml`).
+
+    `split_kv_chunks` lists `[up_to_context, chunk_tokens]` pairs: the first pair whose bound exceeds the
+    batch's longest context wins, the last pair covers everything longer (its bound is ignored).
+    `block_h` heads and `block_n` tokens per tile of a stage-1 program.
+    """
+
+    version: int = 1
+    split_kv_chunks: tuple = ((2048, 512), (8192, 768), (0, 1024))
+    block_h: int = 16
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        pairs = self.split_kv_chunks
+        if not pairs or any(len(p) != 2 or not _valid_chunk(p[1]) for p in pairs):
+            raise ConfigError(
+                f"kernels: split_kv_chunks must be [bound, chunk] pairs with chunk a positive multiple of "
+                f"{PAGE_TOKENS}, got {pairs}"
+            )
+        for name in ("block_h", "block_n"):
+            v = getattr(self, name)
+            if v <= 0 or v & (v - 1) or (name == "block_n" and PAGE_TOKENS % v):
+                raise ConfigError(f"kernels: {name} must be a power of two (block_n dividing 64), got {v}")
+
+    def chunk_for(self, context_len: int) -> int:
+        """Split-KV chunk length for a longest context of `context_len` tokens."""
+        for bound, chunk in self.split_kv_chunks[:-1]:
+            if context_len < bound:
+                return int(chunk)
+        return int(self.split_kv_chunks[-1][1])
+
+
+def _valid_chunk(chunk: object) -> bool:
+    return isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0 and chunk % PAGE_TOKENS == 0
+
+
+def load_kernel_config(source: str | os.PathLike | dict | KernelConfig | None = None) -> KernelConfig:
+    """KernelConfig from a path/mapping, or the packaged `kernels.yaml`."""
+    return load_config(KernelConfig, source, "kernels.yaml")
+
+
+@functools.lru_cache(maxsize=1)
+def _packaged_config() -> KernelConfig:
+    """The packaged config, read once (decode calls this every step)."""
+    return load_kernel_config()
+
+
+# ----------------------------------------------------------------------------------------------- Triton
+
+
+# Helpers are few and large on purpose: the CPU interpreter re-patches triton.language on every call of a
+# jitted helper, which dominated the test time when the code was split finer.
+
+
+@triton.jit
+def _group_dot(q_row, h_mask, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr):
+    """Group g of one integer part: (INT32 dot [BH, BN], qs [BH] fp32, Σq8 [BH] int32).
+
+    `q_row` [BH] points at the part's first query channel, `row` [BN] at the part's first byte. The codes
+    enter the dot as int8: sym int8 q, asym int8 q − 128, int4 nibbles interleaved (q − 8 when sym)."""
+    cg = g * G + tl.arange(0, G)
+    qf = tl.load(q_row[:, None] + cg[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(qf), axis=1)
+    qs = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.0)
+    x = tl.math.div_rn(qf, tl.broadcast_to(qs[:, None], qf.shape))
+    # Round half to even, exactly: x − floor(x) is representable, floor(x + 0.5) would misround 0.49999997.
+    r = tl.floor(x)
+    f = x - r
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    r = tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
+    q8 = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
+    if KIND == 1:
+        raw = tl.load(row[:, None] + cg[None, :], mask=t_mask[:, None], other=0)
+        if ASYM:
+            k = (raw.to(tl.int32) - 128).to(tl.int8)
+        else:
+            k = raw.to(tl.int8, bitcast=True)
+    else:
+        cb = g * (G // 2) + tl.arange(0, G // 2)
+        raw = tl.load(row[:, None] + cb[None, :], mask=t_mask[:, None], other=0)
+        lo = (raw & 15).to(tl.int8)
+        hi = (raw >> 4).to(tl.int8)
+        if not ASYM:
+            lo = lo - 8
+            hi = hi - 8
+        k = tl.interleave(lo, hi)
+    dot = tl.dot(q8, tl.trans(k), out_dtype=tl.int32)
+    qsum = tl.sum(q8.to(tl.int32), axis=1)
+    return dot, qs, qsum
+
+
+@triton.jit
+def _part_scores(
+    q_row, h_mask, row, t_mask,
+    KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
+    SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Unscaled scores [BH, BN] fp32 of one row part against the query's matching channels."""
+    if KIND == 0:
+        c = tl.arange(0, W)
+        qh = tl.load(q_row[:, None] + c[None, :], mask=h_mask[:, None], other=0.0).to(tl.float16)
+        k = tl.load((row[:, None] + 2 * c[None, :]).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None],
+                    other=0.0)
+        s = tl.dot(qh, tl.trans(k), out_dtype=tl.float32)
+    else:
+        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for g in tl.static_range(W // G):
+            dot, qs, qsum = _group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
+            ks = tl.load((row + SCALE_OFF + 2 * g).to(tl.pointer_type(tl.float16)), mask=t_mask, other=0.0)
+            ks = ks.to(tl.float32)
+            s += dot.to(tl.float32) * (qs[:, None] * ks[None, :])
+            if ASYM:
+                lo = tl.load((row + LO_OFF + 2 * g).to(tl.pointer_type(tl.float16)), mask=t_mask, other=0.0)
+                lo = lo.to(tl.float32)
+                if KIND == 1:
+                    lo = lo + 128.0 * ks
+                s += (qsum.to(tl.float32) * qs)[:, None] * lo[None, :]
+    return s
+
+
+@triton.jit
+def _part_values(
+    row, t_mask, KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
+    SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr,
+):
+    """Dequantized c_kv tile [BN, W] in FP16 (computed in FP32 as the codec's decode)."""
+    c = tl.arange(0, W)
+    if KIND == 0:
+        v = tl.load((row[:, None] + 2 * c[None, :]).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None],
+                    other=0.0)
+    else:
+        if KIND == 1:
+            raw = tl.load(row[:, None] + c[None, :], mask=t_mask[:, None], other=0)
+            if ASYM:
+                q = raw.to(tl.float32)
+            else:
+                q = raw.to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            j = tl.arange(0, W // 2)
+            raw = tl.load(row[:, None] + j[None, :], mask=t_mask[:, None], other=0)
+            q = tl.interleave((raw & 15).to(tl.float32), (raw >> 4).to(tl.float32))
+            if not ASYM:
+                q = q - 8.0
+        grp = row[:, None] + 2 * (c // G)[None, :]  # byte offset of each channel's group parameter
+        s = tl.load((grp + SCALE_OFF).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None], other=0.0)
+        v = q * s.to(tl.float32)
+        if ASYM:
+            lo = tl.load((grp + LO_OFF).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None], other=0.0)
+            v = v + lo.to(tl.float32)
+    return v.to(tl.float16)
+
+
+@triton.jit
+def _tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE: tl.constexpr,
+               ROW_BYTES: tl.constexpr):
+    """Byte pointers [BN] of tokens `offs_t` of sequence b (masked tokens point at block 0)."""
+    block = tl.load(bt_ptr + b * stride_bt + offs_t // PAGE, mask=t_mask, other=0).to(tl.int64)
+    return pool_ptr + block * stride_pool + (offs_t % PAGE) * ROW_BYTES
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr, pool_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_pool, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    H, chunk_tokens, qk_scale,
+    PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
+    C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
+    C_LOFF: tl.constexpr,
+    R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
+    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Stage 1: one (sequence, head block, chunk) -> normalized partial [BH, d_c] and its LSE [BH]."""
+    b = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    seq_len = tl.load(lens_ptr + b)
+    start = tl.program_id(2) * chunk_tokens
+    end = tl.minimum(start + chunk_tokens, seq_len)
+    q_row = q_ptr + b * stride_qb + offs_h * stride_qh
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_C], dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_N):
+        offs_t = t0 + tl.arange(0, BLOCK_N)
+        t_mask = offs_t < end
+        row = _tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES)
+        s = _part_scores(q_row, h_mask, row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF,
+                         BLOCK_H, BLOCK_N)
+        s += _part_scores(q_row + D_C, h_mask, row + R_OFF, t_mask, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF,
+                          BLOCK_H, BLOCK_N)
+        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = _part_values(row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
+        m_i = m_new
+
+    # Broadcast before comparing: the interpreter mistypes `bool tensor & bool scalar`.
+    live = h_mask & ((start + tl.zeros_like(offs_h)) < seq_len)
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    c = tl.arange(0, D_C)
+    out = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + tl.program_id(2) * stride_os + c[None, :]
+    tl.store(out, acc / safe_l[:, None], mask=live[:, None])
+    lse = (m_i + tl.log2(safe_l)) * 0.6931471805599453
+    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh + tl.program_id(2), lse, mask=live)
+
+
+@triton.jit
+def _merge_kernel(
+    part_ptr, plse_ptr, lens_ptr, out_ptr, lse_ptr,
+    stride_pb, stride_ph, stride_ps, stride_plb, stride_plh, stride_pls,
+    stride_ob, stride_oh, stride_lb, stride_lh,
+    H, chunk_tokens, D_C: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Stage 2: fold a sequence's chunk partials with the FP16 sigmoid gate (module docstring)."""
+    b = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    c = tl.arange(0, D_C)
+    n_chunks = tl.cdiv(tl.load(lens_ptr + b), chunk_tokens)
+    have = h_mask & ((n_chunks + tl.zeros_like(offs_h)) > 0)
+    part = part_ptr + b * stride_pb + offs_h[:, None] * stride_ph + c[None, :]
+    plse = plse_ptr + b * stride_plb + offs_h * stride_plh
+    h = tl.load(part, mask=have[:, None], other=0.0)
+    lse = tl.load(plse, mask=have, other=float("-inf"))
+    for k in range(1, n_chunks):
+        lse_b = tl.load(plse + k * stride_pls, mask=h_mask, other=0.0)
+        h_b = tl.load(part + k * stride_ps, mask=h_mask[:, None], other=0.0)
+        gate = tl.sigmoid(lse - lse_b).to(tl.float16).to(tl.float32)
+        h = gate[:, None] * h + (1.0 - gate)[:, None] * h_b
+        mx = tl.maximum(lse, lse_b)
+        lse = mx + tl.log(tl.exp(lse - mx) + tl.exp(lse_b - mx))
+    tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + c[None, :], h, mask=h_mask[:, None])
+    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh, lse, mask=h_mask)
+
+
+@triton.jit
+def _scores_kernel(
+    q_ptr, pool_ptr, bt_ptr, lens_ptr, dot_ptr, qs_ptr,
+    stride_qb, stride_qh, stride_pool, stride_bt, stride_db, stride_dh, stride_dt, stride_sb, stride_sh,
+    H,
+    PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, PART_OFF: tl.constexpr, Q_OFF: tl.constexpr,
+    KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The INT32 score path of one integer part on its own: dots [B, H, T, n_g] and query scales."""
+    b = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_t = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_mask = offs_t < tl.load(lens_ptr + b)
+    row = _tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES) + PART_OFF
+    q_row = q_ptr + b * stride_qb + offs_h * stride_qh + Q_OFF
+    for g in tl.static_range(W // G):
+        dot, qs, qsum = _group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
+        dst = dot_ptr + b * stride_db + offs_h[:, None] * stride_dh + offs_t[None, :] * stride_dt + g
+        tl.store(dst, dot, mask=h_mask[:, None] & t_mask[None, :])
+        tl.store(qs_ptr + b * stride_sb + offs_h * stride_sh + g, qs, mask=h_mask)
+
+
+# ------------------------------------------------------------------------------------------ host side
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Constexpr description of one row part for the kernels."""
+
+    kind: int
+    asym: bool
+    width: int
+    group: int
+    offset: int  # byte offset of the part inside the row
+    scale_offset: int  # byte offset of the FP16 scales inside the part (0 for fp16 parts)
+    lo_offset: int
+
+
+def _part(rc, offset: int, on_gpu: bool, label: str) -> _Part:
+    kind = rc.spec.kind
+    width, group = rc.width, rc.group_size
+    if kind not in ("fp16", "int8", "int4"):
+        raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name} is not supported "
+                           "(fp16/int8/int4 only)")
+    if width & (width - 1) or group & (group - 1):
+        raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name}: width {width} and group "
+                           f"{group} must be powers of two")
+    if on_gpu and (group < 32 if kind != "fp16" else width < 16):
+        raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name}: on GPU integer groups need "
+                           "≥ 32 channels and fp16 parts ≥ 16 (tl.dot minimum K)")
+    scale_off = rc.scale_offset or 0
+    if (offset + scale_off) % 2 or (kind == "fp16" and offset % 2):
+        raise BackendError(f"triton mla_decode: {label} FP16 data at an odd byte offset (row layout {rc})")
+    return _Part(
+        {"fp16": _KIND_FP16, "int8": _KIND_INT8, "int4": _KIND_INT4}[kind],
+        not rc.spec.symmetric, width, group, offset, scale_off, rc.zero_offset or 0,
+    )
+
+
+def _interpret_state() -> tuple[bool, bool]:
+    """(our kernels interpreted, triton's library functions interpreted); triton.jit decides per function
+    at decoration time."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    ours = isinstance(_partial_kernel, InterpretedFunction)
+    return ours, isinstance(tl.standard.zeros_like, InterpretedFunction)
+
+
+def interpreter_active() -> bool:
+    """True when the kernels run in triton's CPU interpreter (TRITON_INTERPRET=1 set before importing
+    triton)."""
+    return all(_interpret_state())
+
+
+def _check_device(t: Tensor) -> bool:
+    """True for CUDA, False for the interpreter; BackendError when neither can run."""
+    ours, library = _interpret_state()
+    if ours != library:
+        raise BackendError("TRITON_INTERPRET=1 must be set before triton is first imported, not in between")
+    if ours:
+        if t.is_cuda:
+            raise BackendError("triton mla_decode: TRITON_INTERPRET=1 runs on CPU tensors only")
+        return False
+    if not t.is_cuda:
+        raise BackendError("triton backend needs a CUDA device (or TRITON_INTERPRET=1 set before importing "
+                           "triton, for the CPU interpreter)")
+    return True
+
+
+def _check_inputs(
+    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int,
+    max_seq_len: int | None = None,
+) -> int:
+    """Validate shapes/dtypes; returns the longest context (`max_seq_len` when given: no device sync)."""
+    if q.dim() != 3 or q.shape[-1] != codec.width or d_c != codec.ckv.width:
+        raise ValueError(f"mla_decode: q must be [B, H, {codec.width}] with d_c={codec.ckv.width}, "
+                         f"got {list(q.shape)}, d_c={d_c}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"mla_decode: q must be fp16/bf16/fp32, got {q.dtype}")
+    if pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[2] != codec.row_bytes or not pool.shape[1]:
+        raise ValueError(f"mla_decode: pool must be uint8 [num_blocks, block_size, {codec.row_bytes}] for "
+                         f"{codec.name}, got {pool.dtype} {list(pool.shape)}")
+    if pool.stride(2) != 1 or pool.stride(1) != codec.row_bytes:
+        raise ValueError("mla_decode: each pool block must be contiguous")
+    b = q.shape[0]
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"mla_decode: block_table must be int [{b}, max_blocks], got "
+                         f"{block_table.dtype} {list(block_table.shape)}")
+    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (b,):
+        got = f"{seq_lens.dtype} {list(seq_lens.shape)}"
+        raise ValueError(f"mla_decode: seq_lens must be int32 [{b}], got {got}")
+    if len({t.device for t in (q, pool, block_table, seq_lens)}) != 1:
+        raise ValueError("mla_decode: q, pool, block_table and seq_lens must be on one device")
+    if max_seq_len is not None:
+        lo, hi = 0, int(max_seq_len)
+    else:
+        lo, hi = (int(v) for v in torch.stack([seq_lens.min(), seq_lens.max()]).tolist()) if b else (0, 0)
+    if lo < 0 or hi > block_table.shape[1] * pool.shape[1]:
+        raise ValueError(f"mla_decode: seq_lens must lie in [0, {block_table.shape[1] * pool.shape[1]}] "
+                         f"(max_blocks x block_size), got [{lo}, {hi}]")
+    return hi
+
+
+def _int32(t: Tensor) -> Tensor:
+    """Integer index tensors as the int32 the kernels read (other integer dtypes are converted)."""
+    if t.dtype in (torch.int64, torch.int16, torch.uint8, torch.int8):
+        return t.to(torch.int32)
+    return t
+
+
+def _resolve_chunk(chunk_tokens: int | None, longest: int, config: KernelConfig) -> int:
+    if chunk_tokens is None:
+        return config.chunk_for(longest)
+    if not _valid_chunk(chunk_tokens):
+        raise ConfigError(f"mla_decode: chunk_tokens must be a positive multiple of {PAGE_TOKENS}, "
+                          f"got {chunk_tokens!r}")
+    return int(chunk_tokens)
+
+
+def mla_decode_partials(
+    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, scale: float,
+    chunk_tokens: int | None = None, config: KernelConfig | None = None, max_seq_len: int | None = None,
+) -> tuple[Tensor, Tensor, int]:
+    """Stage 1 only: (partials [B, H, S, d_c] fp32, lse [B, H, S] fp32, chunk_tokens).
+
+    Chunk k of sequence b covers tokens [k*chunk, min((k+1)*chunk, len_b)); entries of chunks at or past
+    a sequence's end are left unwritten (garbage), `merge_partials` never reads them."""
+    config = config or _packaged_config()
+    on_gpu = _check_device(q)
+    block_table, seq_lens = _int32(block_table), _int32(seq_lens)
+    longest = _check_inputs(q, pool, block_table, seq_lens, codec, d_c, max_seq_len)
+    chunk = _resolve_chunk(chunk_tokens, longest, config)
+    if codec.row_bytes % 2:
+        raise BackendError(f"triton mla_decode: a row of {codec.row_bytes} bytes ({codec.name}) misaligns "
+                           "the FP16 values of every other row")
+    c = _part(codec.ckv, 0, on_gpu, "c_kv")
+    r = _part(codec.kpe, codec.ckv.row_bytes, on_gpu, "k_pe")
+    if q.dtype == torch.bfloat16 and not on_gpu:
+        q = q.float()  # the interpreter has no bf16 arithmetic
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    bsz, heads = q.shape[:2]
+    n_split = max(1, triton.cdiv(longest, chunk))
+    parts = torch.empty(bsz, heads, n_split, d_c, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bsz, heads, n_split, dtype=torch.float32, device=q.device)
+    block_h = min(config.block_h, max(1, triton.next_power_of_2(heads))) if not on_gpu else config.block_h
+    grid = (bsz, triton.cdiv(heads, block_h), n_split)
+    if bsz and heads:
+        _partial_kernel[grid](
+            q, pool, block_table, seq_lens, parts, lse,
+            q.stride(0), q.stride(1), pool.stride(0), block_table.stride(0),
+            parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+            heads, chunk, float(scale) * _LOG2E,
+            PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, D_C=d_c,
+            C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset,
+            R_KIND=r.kind, R_ASYM=r.asym, R_W=r.width, R_G=r.group, R_OFF=r.offset,
+            R_SOFF=r.scale_offset, R_LOFF=r.lo_offset,
+            BLOCK_H=block_h, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return parts, lse, chunk
+
+
+def merge_partials_triton(
+    parts: Tensor, lse_parts: Tensor, seq_lens: Tensor, chunk_tokens: int, block_h: int = 16
+) -> tuple[Tensor, Tensor]:
+    """Stage 2 in Triton: fold [B, H, S, D] partials -> (out [B, H, D] fp32, lse [B, H] fp32).
+
+    Sequence b merges its first cdiv(seq_lens[b], chunk_tokens) chunks; an empty sequence gives 0, -inf."""
+    _check_device(parts)
+    seq_lens = _int32(seq_lens)
+    bsz, heads, _, dim = parts.shape
+    if dim & (dim - 1):
+        raise BackendError(f"merge_partials_triton: width {dim} must be a power of two")
+    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=parts.device)
+    lse = torch.empty(bsz, heads, dtype=torch.float32, device=parts.device)
+    block_h = min(block_h, max(1, triton.next_power_of_2(heads)))
+    if bsz and heads:
+        _merge_kernel[(bsz, triton.cdiv(heads, block_h))](
+            parts, lse_parts, seq_lens, out, lse,
+            parts.stride(0), parts.stride(1), parts.stride(2),
+            lse_parts.stride(0), lse_parts.stride(1), lse_parts.stride(2),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            heads, int(chunk_tokens), D_C=dim, BLOCK_H=block_h,
+        )
+    return out, lse
+
+
+def merge_partials(out_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:
+    """Torch reference of stage 2: fold S partials [..., S, D] / LSEs [..., S] left to right with the FP16
+    sigmoid gate -> ([..., D] fp32, [...] fp32). Same arithmetic as `_merge_kernel`."""
+    h = out_parts[..., 0, :].float()
+    lse = lse_parts[..., 0].float()
+    for k in range(1, out_parts.shape[-2]):
+        lse_b = lse_parts[..., k].float()
+        gate = torch.sigmoid(lse - lse_b).half().float().unsqueeze(-1)
+        h = gate * h + (1.0 - gate) * out_parts[..., k, :].float()
+        lse = torch.logaddexp(lse, lse_b)
+    return h, lse
+
+
+def merge_error_bound(n_chunks: int, values: Tensor) -> Tensor:
+    """The docstring's bound on |gated merge − exact softmax| per channel for `values` [T, D] -> [D]."""
+    v = values.float()
+    spread = v.amax(0) - v.amin(0)
+    return (n_chunks - 1) * 2.0**-11 * (1 + 2.0**-10) * spread + n_chunks * 2.0**-20 * v.abs().amax(0)
+
+
+def mla_decode(
+    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, scale: float,
+    chunk_tokens: int | None = None, config: KernelConfig | None = None, max_seq_len: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Split-KV decode: (out [B, H, d_c] fp32, lse [B, H] fp32); see the module docstring.
+
+    `chunk_tokens` overrides the split-KV chunk (a multiple of 64); `config` the launch settings;
+    `max_seq_len` (≥ max(seq_lens), known on the host) skips the device sync that finds the longest
+    context."""
+    config = config or _packaged_config()
+    block_table, seq_lens = _int32(block_table), _int32(seq_lens)
+    parts, lse, chunk = mla_decode_partials(q, pool, block_table, seq_lens, codec, d_c, scale, chunk_tokens,
+                                            config, max_seq_len)
+    if parts.shape[2] == 1:
+        empty = seq_lens == 0
+        out, lse = parts[:, :, 0], lse[:, :, 0]
+        return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], float("-inf"))
+    return merge_partials_triton(parts, lse, seq_lens, chunk, config.block_h)
+
+
+def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Torch mirror of the kernel's query quantization: [..., W] -> (int8 [..., W], fp32 scales [..., W/G]).
+
+    qs = absmax / 127 per group (1 for an all-zero group), q8 = round_half_even(q / qs), in FP32."""
+    x = q.float().unflatten(-1, (-1, group_size))
+    amax = x.abs().amax(-1)
+    qs = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q8 = torch.round(x / qs.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return q8.flatten(-2), qs
+
+
+def effective_query(q: Tensor, codec) -> Tensor:
+    """The query the kernel's scores effectively use, FP32 [B, H, d_c + d_r]: integer parts `q8 * qs`
+    (`quantize_query` with the part's grouping), fp16 parts rounded to FP16. An exact reference fed with it
+    sees the kernel's own arithmetic only, without the query quantization."""
+    parts = []
+    for rc, x in zip((codec.ckv, codec.kpe), q.float().split([codec.ckv.width, codec.kpe.width], dim=-1)):
+        if rc.spec.kind in ("int8", "int4"):
+            q8, qs = quantize_query(x, rc.group_size)
+            x = (q8.float().unflatten(-1, (-1, rc.group_size)) * qs.unsqueeze(-1)).flatten(-2)
+        elif rc.spec.kind == "fp16":
+            x = x.half().float()
+        parts.append(x)
+    return torch.cat(parts, dim=-1)
+
+
+def score_group_dots(
+    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, part: str = "c_kv",
+    block_n: int = 32,
+) -> tuple[Tensor, Tensor]:
+    """The kernel's INT32 score path for one integer part ('c_kv' or 'k_pe'), for exactness tests:
+    (dots int32 [B, H, T, n_g] with T = max(seq_lens), zero past each sequence's end; q scales fp32
+    [B, H, n_g]). dots[b, h, t, g] = Σ_{c in group g} q8[b, h, c] · code[t, c] with the dot-form codes of
+    the module docstring (asymmetric INT8 codes shifted by −128)."""
+    on_gpu = _check_device(q)
+    block_table, seq_lens = _int32(block_table), _int32(seq_lens)
+    longest = _check_inputs(q, pool, block_table, seq_lens, codec, d_c)
+    rc, offset, q_off = (codec.ckv, 0, 0) if part == "c_kv" else (codec.kpe, codec.ckv.row_bytes, d_c)
+    p = _part(rc, offset, on_gpu, part)
+    if p.kind == _KIND_FP16:
+        raise BackendError(f"score_group_dots: the {part} part ({rc.spec.name}) has no integer score path")
+    if q.dtype == torch.bfloat16 and not on_gpu:
+        q = q.float()
+    q = q.contiguous()
+    bsz, heads = q.shape[:2]
+    n_g = p.width // p.group
+    dots = torch.zeros(bsz, heads, longest, n_g, dtype=torch.int32, device=q.device)
+    qs = torch.zeros(bsz, heads, n_g, dtype=torch.float32, device=q.device)
+    block_h = max(1, triton.next_power_of_2(min(heads, 16)))
+    if bsz and heads and longest:
+        _scores_kernel[(bsz, triton.cdiv(heads, block_h), triton.cdiv(longest, block_n))](
+            q, pool, block_table, seq_lens, dots, qs,
+            q.stride(0), q.stride(1), pool.stride(0), block_table.stride(0),
+            dots.stride(0), dots.stride(1), dots.stride(2), qs.stride(0), qs.stride(1),
+            heads,
+            PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, PART_OFF=p.offset, Q_OFF=q_off,
+            KIND=p.kind, ASYM=p.asym, W=p.width, G=p.group, BLOCK_H=block_h, BLOCK_N=block_n,
+        )
+    return dots, qs
+
+
+__all__ = [
+    "KernelConfig", "load_kernel_config", "mla_decode", "mla_decode_partials", "merge_partials",
+    "merge_partials_triton", "merge_error_bound", "quantize_query", "effective_query", "score_group_dots",
+    "interpreter_active", "PAGE_TOKENS",
+]

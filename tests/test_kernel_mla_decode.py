@@ -1,0 +1,339 @@
+"""Triton MLA decode (run by the Triton CPU interpreter) against the torch reference on the same quantized
+paged cache: every codec x {batch 1, ragged batch, lengths off the page/chunk grid, a context across a
+chunk-size boundary} x heads {1, 4, 16}; the exact INT32 score path; the FP16-gated split-KV merge
+against one exact softmax; NaN-filled free slots and permuted block tables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from mlaquant.codecs import LayerCodec
+from mlaquant.config import ConfigError
+from mlaquant.errors import BackendError
+from mlaquant.ops import mla_decode as ops_mla_decode
+from mlaquant.ops import mla_decode_reference
+
+# triton.jit picks the CPU interpreter at decoration time, also for triton's own library functions, so the
+# variable must be set before triton is first imported; it stays set (tests that need it unset monkeypatch).
+os.environ["TRITON_INTERPRET"] = "1"
+K = pytest.importorskip("mlaquant.kernels.mla_decode")
+if not K.interpreter_active():
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+
+D_C, D_R, PAGE = 64, 16, 64
+SCALE = 0.15
+CODECS = [
+    "fp16/fp16",
+    "int8-g32/fp16",
+    "int8-g32-asym/int8-g16",
+    "int4-g32/int8-g16",
+    "int4-g32-asym/int4-g16",
+]
+# The interpreter's cost grows with the number of tiles: most cases use 64-token tiles, the ragged case runs
+# the shipped configs/kernels.yaml (32-token tiles, not aligned with chunk tails), and the chunk-boundary case
+# a config with the shipped thresholds scaled down 8x, so the context that crosses one stays short (the
+# shipped 2048-token boundary runs once, in test_shipped_chunk_boundary_end_to_end).
+CONFIGS = {
+    "big_tiles": K.KernelConfig(block_n=64),
+    "shipped": K.load_kernel_config(),
+    "small_chunks": K.KernelConfig(split_kv_chunks=((256, 64), (1024, 128), (0, 192)), block_n=64),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    seq_lens: tuple[int, ...]
+    chunk_tokens: int | None  # None: from the config by the longest context
+    config: str = "big_tiles"
+
+
+CASES = [
+    Case("batch1", (256,), 128),  # exactly two chunks, four pages
+    Case("ragged3", (64, 1, 300), 128, "shipped"),  # one page, one token, three chunks with a partial tail
+    Case("off_grid", (65, 191, 127), 128),  # neither page nor chunk multiples
+    Case("chunk_boundary", (300, 70), None, "small_chunks"),  # 300 ≥ 256 -> 128-token chunks (3 chunks)
+]
+HEADS = [1, 4, 16]
+
+
+def _rows(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Latent rows [n, D_C + D_R] with per-channel scales and an offset, as real latents have."""
+    chan = torch.exp(torch.randn(D_C + D_R, generator=gen) * 0.5)
+    return torch.randn(n, D_C + D_R, generator=gen) * chan + 0.3 * torch.randn(D_C + D_R, generator=gen)
+
+
+def build_cache(codec: LayerCodec, seq_lens, seed: int = 0, shuffle: bool = True):
+    """(pool, block_table, seq_lens) holding random rows. shuffle: blocks scattered among spare blocks, free
+    bytes 0xFF (NaN in every codec), unused table entries -1 or a spare block; else in order, zero-filled."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // PAGE) for n in seq_lens]
+    n_blocks = sum(need) + (3 if shuffle else 0)
+    pool = torch.full((n_blocks, PAGE, codec.row_bytes), 0xFF if shuffle else 0, dtype=torch.uint8)
+    perm_gen = torch.Generator().manual_seed(seed + 1)  # the rows do not depend on the placement
+    ids = torch.randperm(n_blocks, generator=perm_gen).tolist() if shuffle else list(range(n_blocks))
+    spare = ids[sum(need) :]
+    table = torch.full((len(seq_lens), max(need) + 1), -1, dtype=torch.int32)
+    for b, n in enumerate(seq_lens):
+        mine, ids = ids[: need[b]], ids[need[b] :]
+        enc = codec.encode(_rows(n, gen))
+        for j, blk in enumerate(mine):
+            seg = enc[j * PAGE : (j + 1) * PAGE]
+            pool[blk, : len(seg)] = seg
+        table[b, : need[b]] = torch.tensor(mine, dtype=torch.int32)
+        if shuffle and b % 2:
+            table[b, need[b] :] = spare[0]
+    if shuffle:  # every value of a free slot decodes to NaN, so reading one poisons the output
+        assert torch.isnan(codec.decode(pool[spare[0]])).all()
+    return pool, table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def _query(batch: int, heads: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed + 1000)
+    return torch.randn(batch, heads, D_C + D_R, generator=gen) * 1.5
+
+
+def _compare(out, lse, ref_out, ref_lse):
+    """(max abs error / output scale, cosine, max LSE error)."""
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    rel = ((out - ref_out).abs().max() / ref_out.abs().max()).item()
+    cos = torch.nn.functional.cosine_similarity(out.flatten().double(), ref_out.flatten().double(), 0).item()
+    return rel, cos, (lse - ref_lse).abs().max().item()
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("codec_name", CODECS)
+def test_kernel_matches_reference(codec_name, case, heads):
+    codec = LayerCodec.from_names(*codec_name.split("/"), D_C, D_R)
+    pool, table, lens = build_cache(codec, case.seq_lens, seed=len(case.seq_lens) + heads)
+    q = _query(len(case.seq_lens), heads, seed=heads)
+    config = CONFIGS[case.config]
+    if case.chunk_tokens is None:
+        assert config.chunk_for(max(case.seq_lens)) != config.chunk_for(min(case.seq_lens))
+    out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE, case.chunk_tokens, config)
+    assert out.shape == (len(case.seq_lens), heads, D_C) and out.dtype == torch.float32
+    assert lse.shape == (len(case.seq_lens), heads) and lse.dtype == torch.float32
+    # Same quantized cache, same (kernel-quantized) query: only the kernel's own arithmetic differs.
+    ref_out, ref_lse = mla_decode_reference(K.effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    rel, cos, lse_err = _compare(out, lse, ref_out, ref_lse)
+    assert rel <= 2e-3 and cos >= 0.9999 and lse_err <= 2e-5, (rel, cos, lse_err)
+    # Against the unquantized FP32 query: the INT8 query quantization is the only addition.
+    ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    rel, cos, lse_err = _compare(out, lse, ref_out, ref_lse)
+    assert rel <= 3e-2 and cos >= 0.9995 and lse_err <= 0.1, (rel, cos, lse_err)
+
+
+@pytest.mark.parametrize(
+    "codec_name",
+    ["int8-g32/int8-g16", "int8-g16-asym/int8-row-asym", "int4-g32/int4-g16-asym", "int4-g16-asym/int4-row"],
+)
+def test_int32_score_path_is_exact(codec_name):
+    codec = LayerCodec.from_names(*codec_name.split("/"), D_C, D_R)
+    pool, table, lens = build_cache(codec, (70, 5), seed=3)
+    q = _query(2, 4, seed=3)
+    # amax 127 -> qs = 1, so q/qs hits exact .5 ties: round half to even (2.5 -> 2, -3.5 -> -4, 0.5 -> 0)
+    q[0, 0, :16] = torch.tensor([127, 2.5, -3.5, 0.5, -0.5, 1.5, 3.5, -2.5] * 2)
+    q[0, 1, :16] = 0.0  # an all-zero group
+    for part, rc, sl in (("c_kv", codec.ckv, slice(0, D_C)), ("k_pe", codec.kpe, slice(D_C, D_C + D_R))):
+        dots, qs = K.score_group_dots(q, pool, table, lens, codec, D_C, part=part)
+        q8, qs_ref = K.quantize_query(q[..., sl], rc.group_size)
+        if part == "c_kv":
+            assert q8[0, 0, 1:8].tolist() == [2, -4, 0, 0, 2, 4, -2]
+        assert torch.equal(qs, qs_ref)
+        for b, n in enumerate(lens.tolist()):
+            t = torch.arange(n)
+            raw = pool[table[b, t // PAGE].long(), t % PAGE]
+            raw = raw[:, 0 : rc.row_bytes] if part == "c_kv" else raw[:, codec.ckv.row_bytes :]
+            codes = _dot_codes(raw[:, : rc.code_bytes], rc)  # [n, W], decoded here from the documented layout
+            ref = torch.einsum(
+                "hgc,tgc->htg",
+                q8[b].long().unflatten(-1, (-1, rc.group_size)),
+                codes.unflatten(-1, (-1, rc.group_size)),
+            )
+            assert torch.equal(dots[b, :, :n].long(), ref), part
+            assert not dots[b, :, n:].any()
+
+
+def _dot_codes(code_bytes: torch.Tensor, rc) -> torch.Tensor:
+    """Codes as they enter the INT8 dot, from the byte layout in the kernel docstring: sym int8 as int8,
+    asym int8 minus 128, int4 nibbles (low = even channel) minus 8 when symmetric."""
+    if rc.spec.kind == "int8":
+        return code_bytes.view(torch.int8).long() if rc.spec.symmetric else code_bytes.long() - 128
+    nib = torch.stack([code_bytes & 15, code_bytes >> 4], dim=-1).flatten(-2).long()
+    return nib - 8 if rc.spec.symmetric else nib
+
+
+def test_shipped_chunk_boundary_end_to_end():
+    codec = LayerCodec.from_names("int4-g32", "int8-g16", D_C, D_R)
+    pool, table, lens = build_cache(codec, (2100, 70), seed=4)
+    q = _query(2, 4, seed=4)
+    parts, _, chunk = K.mla_decode_partials(q, pool, table, lens, codec, D_C, SCALE)
+    assert chunk == 768 and parts.shape[2] == 3  # 2100 tokens cross the shipped 2048-token boundary
+    out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = mla_decode_reference(K.effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    rel, cos, lse_err = _compare(out, lse, ref_out, ref_lse)
+    assert rel <= 2e-3 and cos >= 0.9999 and lse_err <= 2e-5, (rel, cos, lse_err)
+
+
+def test_nan_slots_and_permuted_blocks_change_nothing():
+    codec = LayerCodec.from_names("int4-g32", "int8-g16", D_C, D_R)
+    lens = (150, 64, 33)
+    dense = build_cache(codec, lens, seed=5, shuffle=False)
+    scattered = build_cache(codec, lens, seed=5, shuffle=True)
+    for i in range(len(lens)):  # same rows, different placement
+        n = lens[i]
+        t = torch.arange(n)
+        rows = [c[0][c[1][i, t // PAGE].long(), t % PAGE] for c in (dense, scattered)]
+        assert torch.equal(*rows)
+    q = _query(len(lens), 4, seed=5)
+    a = K.mla_decode(q, *dense, codec, D_C, SCALE, chunk_tokens=64)
+    b = K.mla_decode(q, *scattered, codec, D_C, SCALE, chunk_tokens=64)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_empty_sequence_bf16_query_int64_indices():
+    codec = LayerCodec.from_names("int8-g32", "fp16", D_C, D_R)
+    pool, table, lens = build_cache(codec, (0, 90), seed=6)
+    q = _query(2, 4, seed=6).bfloat16()
+    out, lse = K.mla_decode(q, pool, table.long(), lens.long(), codec, D_C, SCALE, chunk_tokens=64)
+    assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
+    ref_out, ref_lse = mla_decode_reference(
+        K.effective_query(q[1:], codec), pool, table[1:], lens[1:], codec, D_C, SCALE
+    )
+    rel, cos, lse_err = _compare(out[1:], lse[1:], ref_out, ref_lse)
+    assert rel <= 2e-3 and cos >= 0.9999 and lse_err <= 1e-4
+
+
+def _exact_partials(scores: torch.Tensor, values: torch.Tensor, chunk: int):
+    """FP64 per-chunk normalized outputs [H, S, D] and LSEs [H, S] of scores [H, T] over values [T, D]."""
+    outs, lses = [], []
+    for s in range(0, scores.shape[1], chunk):
+        sc = scores[:, s : s + chunk].double()
+        lses.append(torch.logsumexp(sc, -1))
+        outs.append(torch.softmax(sc, -1) @ values[s : s + chunk].double())
+    return torch.stack(outs, 1), torch.stack(lses, 1)
+
+
+def test_gated_merge_within_stated_bound():
+    gen = torch.Generator().manual_seed(7)
+    heads, t, chunk, dim = 8, 16 * 64, 64, 32
+    values = torch.randn(t, dim, generator=gen) * torch.linspace(0.1, 10, dim)
+    # Chunk-level offsets of ±12 make some gates tiny (FP16 subnormal) and some near 1.
+    scores = torch.randn(heads, t // chunk, chunk, generator=gen) * 2
+    scores = (scores + torch.randn(heads, t // chunk, 1, generator=gen) * 12).flatten(1)  # [H, T]
+    parts, lses = _exact_partials(scores, values, chunk)
+    exact = torch.softmax(scores.double(), -1) @ values.double()
+    exact_lse = torch.logsumexp(scores.double(), -1)
+    bound = K.merge_error_bound(t // chunk, values).double()
+
+    h_torch, lse_torch = K.merge_partials(parts.float(), lses.float())
+    lens = torch.full((heads,), t, dtype=torch.int32)  # one "sequence" per head: [B=heads, H=1, S, D]
+    h_tri, lse_tri = K.merge_partials_triton(
+        parts.float().unsqueeze(1), lses.float().unsqueeze(1), lens, chunk
+    )
+    for h, lse in ((h_torch, lse_torch), (h_tri[:, 0], lse_tri[:, 0])):
+        err = (h.double() - exact).abs()
+        assert (err <= bound).all(), (err / bound).max().item()
+        assert torch.allclose(lse.double(), exact_lse, rtol=0, atol=1e-5)
+    assert torch.allclose(h_tri[:, 0], h_torch, rtol=1e-6, atol=1e-6)
+    # The bound is not vacuous: the FP16 gate's error is visible and within a factor ~100 of the bound.
+    err = (h_torch.double() - exact).abs()
+    assert err.max() > 1e-3 * bound.max()
+
+
+def test_chunk_config_and_overrides():
+    cfg = K.load_kernel_config()
+    assert [cfg.chunk_for(n) for n in (1, 2047, 2048, 8191, 8192, 65536)] == [512, 512, 768, 768, 1024, 1024]
+    with pytest.raises(ConfigError, match="typo"):
+        K.load_kernel_config({"typo": 1})
+    with pytest.raises(ConfigError, match="split_kv_chunks"):
+        K.load_kernel_config({"split_kv_chunks": [[0, 100]]})
+    codec = LayerCodec.from_names("fp16", "fp16", D_C, D_R)
+    pool, table, lens = build_cache(codec, (10,), seed=8)
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        K.mla_decode(_query(1, 1, 8), pool, table, lens, codec, D_C, SCALE, chunk_tokens=100)
+    _, _, chunk = K.mla_decode_partials(_query(1, 1, 8), pool, table, lens, codec, D_C, SCALE)
+    assert chunk == 512
+
+
+def test_unsupported_codec_raises_backend_error():
+    codec = LayerCodec.from_names("fp32", "fp16", D_C, D_R)
+    pool, table, lens = build_cache(codec, (10,), seed=9)
+    with pytest.raises(BackendError, match="fp32"):
+        K.mla_decode(_query(1, 1, 9), pool, table, lens, codec, D_C, SCALE)
+
+
+def test_ops_dispatcher_runs_this_kernel(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    codec = LayerCodec.from_names("int8-g32", "fp16", D_C, D_R)
+    pool, table, lens = build_cache(codec, (100, 30), seed=10)
+    q = _query(2, 4, seed=10)
+    out, lse = ops_mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend="triton")
+    ref = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE)
+    assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+
+
+def test_bench_refuses_without_cuda(monkeypatch):
+    import argparse
+
+    from mlaquant.kernels import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args([])
+    with pytest.raises(BackendError, match="TRITON_INTERPRET"):
+        bench.run(args)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendError, match="CUDA"):
+        bench.run(args)
+
+
+def test_bench_pipeline_runs_every_path_on_cpu():
+    """The benchmark's setup, accounting and report on tiny shapes, timed by a stand-in clock (1 ms per call,
+    after really running the call once) — the real command refuses on CPU."""
+    from mlaquant.kernels import bench
+
+    calls = []
+    clock = bench._Clock(lambda fn: (calls.append(fn()), 1.0)[1], budget_s=600)
+    dims = {"d_c": D_C, "d_r": D_R, "d_n": 16, "d_v": 16}
+    peaks = (1.0, 100.0, 200.0)
+    rows = bench.decode_rows(
+        [2],
+        [1, 2],
+        [128],
+        ["fp16/fp16", "int4-g32/fp16"],
+        dims,
+        torch.device("cpu"),
+        clock,
+        sdpa_max_gb=1.0,
+        peaks=peaks,
+    )
+    rows += bench.gemm_rows([3], [(64, 32)], torch.device("cpu"), clock, peaks)
+    assert [r["kind"] for r in rows].count("mla_decode") == 4 and not any("skipped" in r for r in rows)
+    r = next(
+        r for r in rows if r["kind"] == "mla_decode" and r["batch"] == 2 and r["codec"] == "int4-g32/fp16"
+    )
+    cache = 2 * 128 * LayerCodec.from_names("int4-g32", "fp16", D_C, D_R).row_bytes
+    assert cache < r["gb_per_s"] * 1e6 < 1.2 * cache  # 1 ms per call: GB/s = bytes / 1e6
+    assert r["tflops"] == pytest.approx(2 * 2 * 2 * 128 * (2 * D_C + D_R) / 1e9)
+    assert r["speedup_vs_base"] == 1.0 and r["chunk_tokens"] == 512
+    assert {r["kind"] for r in rows} >= {"sdpa_expanded", "int8_gemm", "bnb_int8", "fp16_matmul"}
+    meta = {
+        "device": "cpu",
+        "spec_peaks": peaks,
+        "torch": "t",
+        "triton": "t",
+        "copy_gb_per_s": None,
+        "args": {},
+    }
+    text = bench.render_markdown(meta, rows)
+    assert text.count("| int4-g32/fp16 |") == 2 and "| int8_gemm | 3 | 64 | 32 |" in text
+    expired = bench._Clock(lambda fn: 1.0, budget_s=-1)
+    rows = bench.decode_rows([2], [1], [64], ["fp16/fp16"], dims, torch.device("cpu"), expired, 1.0, None)
+    assert all(r["skipped"] == "time budget" for r in rows)
