@@ -60,7 +60,15 @@ class CalibrateConfig:
     percentile: float = 0.999
     try_clip: bool = True
     try_rotation: bool = True
-    candidates: tuple = ("int4-g64/int4-g32", "int4-g32/int4-g32", "int8-g64/int8-g32", "fp16/fp16")
+    candidates: tuple = (
+        "int4-row/int4-row",
+        "int4-row/int4-g32",
+        "int4-g64/int4-g32",
+        "int4-g32/int4-g32",
+        "int4-g32/int8-g32",
+        "int8-g64/int8-g32",
+        "fp16/fp16",
+    )
 
     def __post_init__(self) -> None:
         if not 0 < self.budget < 1:
@@ -151,11 +159,17 @@ def measure_layers(
                 choices.append(Choice(name, False, False, row_bytes, 0.0))
                 continue
             rotate, clip = best_variant(v, name, cfg.try_clip, d_c, d_r)
-            m = with_latent_rotation(model, {i: hadamard_rotation(v.signs)}) if rotate else model
+            m = rotated(model, {i: hadamard_rotation(v.signs)}) if rotate else model
             codecs = [None] * n
             codecs[i] = v.codec(name, clip, rotate, d_c, d_r)
             choices.append(
-                Choice(name, clip, rotate, row_bytes, evaluator.evaluate(codecs, first_layer=i, model=m).loss)
+                Choice(
+                    name,
+                    clip,
+                    rotate,
+                    row_bytes,
+                    evaluator.evaluate(codecs, first_layer=i, model=m, loss_only=True).loss,
+                )
             )
             progress.update(1)
         table.append(sorted(choices, key=lambda c: (c.row_bytes, c.loss)))

@@ -35,8 +35,8 @@ V2_LITE_ATTENTION = dict(
     q_lora_rank=None,
     intermediate_size=5632,
     vocab_size=4096,
-    n_routed_experts=None,
-    first_k_dense_replace=0,
+    n_routed_experts=4,  # unused: every layer is below first_k_dense_replace, so all MLPs are dense
+    first_k_dense_replace=1000,
     max_position_embeddings=32768,
 )
 

@@ -4,9 +4,10 @@ A layer's cached row is `[c_kv (d_c) | k_pe (d_r)]`; each part is stored by its 
 a `LayerCodec` concatenates the two byte strings. Everything is vectorised over rows (no Python
 loops) and runs on any device torch runs on.
 
-Codec names (`CodecSpec.parse` / `.name`): `fp32`, `bf16`, `fp16`, and for the integer kinds
+Codec names (`CodecSpec.parse` / `.name`): `fp32`, `bf16`, `fp16`, for the integer kinds
 `int8|int4` + `-row` (one group = the whole part) or `-g<N>` (groups of N channels) + optional
-`-asym`. Bare `int8` means `int8-g64`, bare `int4` means `int4-g32`, both symmetric.
+`-asym`, and `fp8` (e4m3 with one static scale per layer) or `fp8-g<N>` (e4m3 with a dynamic FP16
+scale per group of N channels). Bare `int8` means `int8-g64`, bare `int4` means `int4-g32`, both symmetric.
 
 Byte layout of one part of width W with G = W / group_size groups (all multi-byte values
 little-endian; groups run along the channel dimension, channel c belongs to group c // group_size):
@@ -16,12 +17,19 @@ little-endian; groups run along the channel dimension, channel c belongs to grou
     int8 asymmetric      W uint8 codes q | G fp16 scales s | G fp16 lo  W + 4G bytes
     int4 symmetric       W/2 bytes of codes | G fp16 scales s          W/2 + 2G bytes
     int4 asymmetric      W/2 bytes of codes | G fp16 scales s | G fp16 lo  W/2 + 4G bytes
+    fp8 (static)         W e4m3 codes (the scale lives in the plan, not the row)   W bytes
+    fp8-g<N> (dynamic)   W e4m3 codes | G fp16 scales s                W + 2G bytes
 
   symmetric:  x̂ = q * s,       q = clamp(round(x / s), -qmax, qmax), s ≥ absmax(group) / qmax
   asymmetric: x̂ = q * s + lo,  q = clamp(round((x - lo) / s), 0, 2*qmax+1), lo ≤ min(group),
               s ≥ (max(group) - lo) / (2*qmax+1)                       (qmax = 127 int8, 7 int4)
   int4 packing: byte j holds channel 2j in its low nibble and channel 2j+1 in its high nibble;
   symmetric codes are stored biased, as q + 8 (so 1..15; 0 is never written).
+  fp8:        x̂ = e4m3(clamp(x / s, -448, 448)) * s   (e4m3fn, round to nearest even, saturating)
+              dynamic: s ≥ absmax(group) / 448, an FP16 value rounded up like the integer scales;
+              static:  s = absmax(calibrated bounds) / 448 in FP32, one scale for every static-fp8
+              part of a layer (vLLM's per-layer `k_scale` covers the whole [c_kv | k_pe] row);
+              without bounds s = 1.0, what engines use when a checkpoint carries no scales.
 
 Scales and zero points are computed in FP32, then rounded to FP16 — the scale *up* and `lo` *down*
 to the next FP16 value, so the group's whole range stays representable (this matters for tiny
@@ -37,17 +45,22 @@ Worked examples, DeepSeek d_c = 512, d_r = 64 (one token, one layer):
     int4-g32 / fp16             (256 + 16*2) + 128              =  416 B  ( 5.78 bits/value)
     int4-g32 / int8-g32         (256 + 16*2) + (64 + 2*2)       =  356 B  ( 4.94 bits/value)
     int4-g32-asym / int8-g32    (256 + 16*4) + (64 + 2*2)       =  388 B  ( 5.39 bits/value)
+    fp8 / fp8                   512 + 64                        =  576 B  ( 8.0 bits/value, vLLM fp8)
+    fp8-g128 / bf16             (512 + 4*2) + 128               =  648 B  ( 9.0 bits/value)
 
 Rows carry no padding: `row_bytes` is exactly codes + scales + zero points.
 
 Calibrated clipping: `RowCodec(..., clip_lo, clip_hi)` takes per-channel bounds [W] from calibration;
 values are clamped to them before each row's group range is taken (each row's scales still come from
 its own range at write time). For symmetric codecs pass `clip_lo = -clip_hi` (an absmax bound); a
-missing side is mirrored for symmetric codecs and unbounded for asymmetric ones.
+missing side is mirrored for symmetric codecs and unbounded for asymmetric ones. A static `fp8` part
+uses the bounds only to set its scale (`fp8_scale`, or absmax(bounds) / 448); its effective clip range
+is the saturation range ±448·s, which is what `clip_lo`/`clip_hi`/`clip_rate` then report.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -59,7 +72,10 @@ from mlaquant.errors import MLAQuantError
 FLOAT_KINDS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INT_KINDS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP = {"int8": 64, "int4": 32}
+FP8 = "fp8"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 _NAME_RE = re.compile(r"^(int8|int4)(?:-(row|g(\d+)))?(?:-(sym|asym))?$")
+_FP8_RE = re.compile(r"^fp8(?:-g(\d+))?$")
 
 
 class CodecError(MLAQuantError, ValueError):
@@ -68,18 +84,21 @@ class CodecError(MLAQuantError, ValueError):
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """How one part of a row (c_kv or k_pe) is stored. `group_size=None` = one group per row."""
+    """How one part of a row (c_kv or k_pe) is stored. `group_size=None` = one group per row (for fp8:
+    one static scale per layer, not stored in the row)."""
 
     kind: str
     group_size: int | None = None
     symmetric: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in FLOAT_KINDS and self.kind not in INT_KINDS:
-            known = ", ".join([*FLOAT_KINDS, *INT_KINDS])
+        if self.kind not in FLOAT_KINDS and self.kind not in INT_KINDS and self.kind != FP8:
+            known = ", ".join([*FLOAT_KINDS, *INT_KINDS, FP8])
             raise CodecError(f"codec kind '{self.kind}' unknown (known: {known})")
         if self.kind in FLOAT_KINDS and (self.group_size is not None or not self.symmetric):
             raise CodecError(f"codec '{self.kind}' takes no group size or asymmetry")
+        if self.kind == FP8 and not self.symmetric:
+            raise CodecError("codec 'fp8' is symmetric only")
         g = self.group_size
         if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g <= 0):
             raise CodecError(f"codec '{self.kind}': group_size must be a positive int, got {g!r}")
@@ -90,10 +109,13 @@ class CodecSpec:
         text = name.strip().lower() if isinstance(name, str) else name
         if text in FLOAT_KINDS:
             return cls(text)
+        m8 = _FP8_RE.match(text) if isinstance(text, str) else None
+        if m8 is not None:
+            return cls(FP8, None if m8.group(1) is None else int(m8.group(1)))
         m = _NAME_RE.match(text) if isinstance(text, str) else None
         if m is None:
             raise CodecError(
-                f"codec name {name!r} not understood (expected fp32, bf16, fp16, or "
+                f"codec name {name!r} not understood (expected fp32, bf16, fp16, fp8[-g<N>], or "
                 "int8|int4[-row|-g<N>][-asym], e.g. 'int4-g32', 'int8-row-asym')"
             )
         kind, group, group_n, sym = m.groups()
@@ -110,6 +132,8 @@ class CodecSpec:
         """Canonical name: `parse(spec.name) == spec`."""
         if self.kind in FLOAT_KINDS:
             return self.kind
+        if self.kind == FP8:
+            return FP8 if self.group_size is None else f"{FP8}-g{self.group_size}"
         group = "row" if self.group_size is None else f"g{self.group_size}"
         return f"{self.kind}-{group}" + ("" if self.symmetric else "-asym")
 
@@ -118,17 +142,24 @@ class CodecSpec:
         """Code bits per value (scales and zero points not included)."""
         if self.kind in FLOAT_KINDS:
             return torch.finfo(FLOAT_KINDS[self.kind]).bits
+        if self.kind == FP8:
+            return 8
         return INT_KINDS[self.kind]
 
     @property
     def is_float(self) -> bool:
         return self.kind in FLOAT_KINDS
 
+    @property
+    def is_static_fp8(self) -> bool:
+        """fp8 with one calibrated scale per layer (vLLM's `fp8` cache), as opposed to `fp8-g<N>`."""
+        return self.kind == FP8 and self.group_size is None
+
     def wider(self) -> CodecSpec | None:
-        """Fallback order int4 → int8 (same grouping/symmetry) → fp16 → None (float kinds)."""
+        """Fallback order int4 → int8 (same grouping/symmetry) → fp16; fp8 → fp16; float kinds → None."""
         if self.kind == "int4":
             return CodecSpec("int8", self.group_size, self.symmetric)
-        if self.kind == "int8":
+        if self.kind in ("int8", FP8):
             return CodecSpec("fp16")
         return None
 
@@ -151,16 +182,26 @@ class RowCodec:
 
     Attributes beside `spec`, `width`, `row_bytes` describe the layout for kernels: `group_size`,
     `n_groups`, `code_bytes` (bytes of codes), `scale_offset` and `zero_offset` (byte offsets of the
-    FP16 scales / FP16 lo arrays inside the part; None where absent).
+    FP16 scales / FP16 lo arrays inside the part; None where absent), and for static fp8 `fp8_scale`
+    (the FP32 per-layer scale s; None for every other kind).
     """
 
     def __init__(
-        self, spec: CodecSpec, width: int, clip_lo: Tensor | None = None, clip_hi: Tensor | None = None
+        self,
+        spec: CodecSpec,
+        width: int,
+        clip_lo: Tensor | None = None,
+        clip_hi: Tensor | None = None,
+        fp8_scale: float | None = None,
     ) -> None:
         if width <= 0:
             raise CodecError(f"codec {spec.name}: width must be > 0, got {width}")
         self.spec = spec
         self.width = int(width)
+        self.fp8_scale = None
+        if spec.kind == FP8:
+            self._init_fp8(clip_lo, clip_hi, fp8_scale)
+            return
         if spec.is_float:
             self.group_size, self.n_groups = self.width, 0
             self.code_bytes = self.width * spec.bits // 8
@@ -178,6 +219,29 @@ class RowCodec:
             self.zero_offset = None if spec.symmetric else self.code_bytes + 2 * self.n_groups
             self.row_bytes = self.code_bytes + 2 * self.n_groups * (1 if spec.symmetric else 2)
         self.clip_lo, self.clip_hi = self._clip_bounds(clip_lo, clip_hi)
+
+    def _init_fp8(self, clip_lo: Tensor | None, clip_hi: Tensor | None, fp8_scale: float | None) -> None:
+        spec = self.spec
+        g = spec.group_size or self.width
+        if self.width % g:
+            raise CodecError(f"codec {spec.name}: group size {g} does not divide width {self.width}")
+        self.group_size = g
+        self.n_groups = 0 if spec.is_static_fp8 else self.width // g
+        self.code_bytes = self.width
+        self.scale_offset = None if spec.is_static_fp8 else self.code_bytes
+        self.zero_offset = None
+        self.row_bytes = self.code_bytes + 2 * self.n_groups
+        lo, hi = self._clip_bounds(clip_lo, clip_hi)
+        if not spec.is_static_fp8:
+            self.clip_lo, self.clip_hi = lo, hi
+            return
+        if fp8_scale is None:
+            fp8_scale = 1.0 if lo is None else fp8_static_scale(lo, hi)
+        if not (isinstance(fp8_scale, (int, float)) and math.isfinite(fp8_scale) and fp8_scale > 0):
+            raise CodecError(f"codec fp8: static scale must be a finite float > 0, got {fp8_scale!r}")
+        self.fp8_scale = float(torch.tensor(fp8_scale, dtype=torch.float32))
+        bound = torch.full((self.width,), FP8_MAX * self.fp8_scale)
+        self.clip_lo, self.clip_hi = -bound, bound
 
     def _clip_bounds(self, lo: Tensor | None, hi: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
         if lo is None and hi is None:
@@ -199,6 +263,8 @@ class RowCodec:
 
     def __repr__(self) -> str:
         clip = ", clipped" if self.clip_lo is not None else ""
+        if self.fp8_scale is not None:
+            clip = f", scale={self.fp8_scale:.6g}"
         return f"RowCodec({self.spec.name}, width={self.width}, row_bytes={self.row_bytes}{clip})"
 
     @property
@@ -219,6 +285,8 @@ class RowCodec:
             )
         lead = x.shape[:-1]
         x = x.reshape(-1, self.width)
+        if self.spec.kind == FP8:
+            return self._encode_fp8(x).reshape(*lead, self.row_bytes)
         if self.spec.is_float:
             out = x.to(FLOAT_KINDS[self.spec.kind], copy=True).contiguous()  # codes never alias the input
             bad_in, bad_out = torch.stack([~torch.isfinite(x).all(), ~torch.isfinite(out).all()]).tolist()
@@ -244,6 +312,32 @@ class RowCodec:
         codes = self._pack(q.view(-1, self.width))
         tail = [t.to(torch.float16).view(torch.uint8) for t in params]  # [N, 2G] each, little-endian
         return torch.cat([codes, *tail], dim=1).reshape(*lead, self.row_bytes)
+
+    def _encode_fp8(self, x: Tensor) -> Tensor:
+        """[N, W] float → uint8 [N, row_bytes] (e4m3 codes, then FP16 scales for fp8-g<N>)."""
+        x32 = x.float()
+        if self.spec.is_static_fp8:
+            q = torch.clamp(x32 / self.fp8_scale, -FP8_MAX, FP8_MAX)  # saturate, as engines do
+            bad_in = bool(~torch.isfinite(x32).all())
+            self._raise_if(bad_in, False, "")
+            return q.to(torch.float8_e4m3fn).view(torch.uint8)
+        xg = self._clip(x32).reshape(-1, self.n_groups, self.group_size)  # [N, G, g]
+        scale = _fp16_round(xg.abs().amax(-1) / FP8_MAX, up=True)  # [N, G]
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+        q = torch.clamp(xg / safe, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        bad_in, bad_out = torch.stack([~torch.isfinite(x32).all(), ~torch.isfinite(scale).all()]).tolist()
+        self._raise_if(bad_in, bad_out, "group range exceeds the FP16 range of scales")
+        tail = scale.to(torch.float16).view(torch.uint8)  # [N, 2G], little-endian
+        return torch.cat([q.view(-1, self.width), tail], dim=1)
+
+    def _decode_fp8(self, codes: Tensor) -> Tensor:
+        """uint8 [N, row_bytes] → float32 [N, W]."""
+        q = codes[:, : self.code_bytes].contiguous().view(torch.float8_e4m3fn).float()
+        if self.spec.is_static_fp8:
+            return q * self.fp8_scale
+        scale = codes[:, self.scale_offset : self.scale_offset + 2 * self.n_groups].contiguous()
+        x = q.view(-1, self.n_groups, self.group_size) * scale.view(torch.float16).float().unsqueeze(-1)
+        return x.view(-1, self.width)
 
     def _raise_if(self, bad_in: bool, bad_out: bool, what: str) -> None:
         if bad_in:
@@ -273,6 +367,8 @@ class RowCodec:
             )
         lead = codes.shape[:-1]
         codes = codes.reshape(-1, self.row_bytes)
+        if self.spec.kind == FP8:
+            return self._decode_fp8(codes).to(dtype).reshape(*lead, self.width)
         if self.spec.is_float:
             vals = codes.contiguous().view(FLOAT_KINDS[self.spec.kind])
             return vals.to(dtype, copy=True).reshape(*lead, self.width)  # never a view of the cache
@@ -326,13 +422,18 @@ class LayerCodec:
         d_r: int,
         clip_lo: Tensor | None = None,
         clip_hi: Tensor | None = None,
+        fp8_scale: float | None = None,
     ) -> LayerCodec:
         """Build from codec names; `clip_lo`/`clip_hi` are per-channel bounds over the whole row [d_c + d_r]
-        (use ±inf for channels that should not be clipped)."""
+        (use ±inf for channels that should not be clipped). Static `fp8` parts share one scale: `fp8_scale`
+        if given, else absmax of their bounds / 448, else 1.0."""
         specs = [s if isinstance(s, CodecSpec) else CodecSpec.parse(s) for s in (ckv, kpe)]
-        # a group at least as wide as the part is the whole row ("int8" = int8-g64 on a 32-wide k_pe)
+        # a group at least as wide as the part is the whole row ("int8" = int8-g64 on a 32-wide k_pe);
+        # for fp8 that is a group of exactly the part's width (no group size means the static scale)
         specs = [
-            replace(s, group_size=None) if s.group_size is not None and s.group_size >= w else s
+            replace(s, group_size=w if s.kind == FP8 else None)
+            if s.group_size is not None and s.group_size >= w
+            else s
             for s, w in zip(specs, (d_c, d_r))
         ]
         for name, t in (("clip_lo", clip_lo), ("clip_hi", clip_hi)):
@@ -340,9 +441,12 @@ class LayerCodec:
                 raise CodecError(f"layer codec: {name} must have shape [{d_c + d_r}], got {list(t.shape)}")
         part = lambda t, sl: None if t is None else t[sl]
         c, r = slice(0, d_c), slice(d_c, d_c + d_r)
+        static = [sl for s, sl in zip(specs, (c, r)) if s.is_static_fp8]
+        if static and fp8_scale is None and (clip_lo is not None or clip_hi is not None):
+            fp8_scale = fp8_static_scale(*(torch.cat([t[sl] for sl in static]) for t in (clip_lo, clip_hi)))
         return LayerCodec(
-            RowCodec(specs[0], d_c, part(clip_lo, c), part(clip_hi, c)),
-            RowCodec(specs[1], d_r, part(clip_lo, r), part(clip_hi, r)),
+            RowCodec(specs[0], d_c, part(clip_lo, c), part(clip_hi, c), fp8_scale),
+            RowCodec(specs[1], d_r, part(clip_lo, r), part(clip_hi, r), fp8_scale),
         )
 
     @property
@@ -390,6 +494,17 @@ class LayerCodec:
         """||fake_quant(rows) - rows|| / ||rows|| over whole rows, per row ('none') or mean."""
         self._check_rows(rows)
         return _relative_error(self.fake_quant(rows), rows, reduction)
+
+
+def fp8_static_scale(lo: Tensor | None, hi: Tensor | None) -> float:
+    """The static e4m3 scale for values within [lo, hi] (per-channel bounds, either may be None):
+    absmax / 448 in FP32, or 1.0 when the bounds are all zero."""
+    absmax = max(float(t.detach().abs().max()) if t is not None and t.numel() else 0.0 for t in (lo, hi))
+    if not math.isfinite(absmax):
+        raise CodecError(f"codec fp8: calibrated bounds are not finite (absmax {absmax})")
+    if absmax == 0.0:
+        return 1.0
+    return float(torch.tensor(absmax, dtype=torch.float32) / FP8_MAX)
 
 
 def bits_per_value(codec: LayerCodec | RowCodec) -> float:

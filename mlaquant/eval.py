@@ -91,12 +91,18 @@ class Evaluator:
         self.ref_nll = nll / self.tokens
 
     def evaluate(
-        self, codecs: list[LayerCodec | None], first_layer: int = 0, model: MLAModel | None = None, window: int = 0
+        self,
+        codecs: list[LayerCodec | None],
+        first_layer: int = 0,
+        model: MLAModel | None = None,
+        window: int = 0,
+        loss_only: bool = False,
     ) -> EvalResult:
         """Metrics with layer i's latent through codecs[i] (None = FP16). Layers < first_layer must be
         None or FP16 (they are replayed from the reference). `model` replaces the reference model
         (e.g. with rotated latents, `Plan.apply`); its layers < first_layer must be the reference's.
-        `window` > 0 keeps each query's most recent `window` rows FP16 (a plan's residual window)."""
+        `window` > 0 keeps each query's most recent `window` rows FP16 (a plan's residual window).
+        `loss_only` skips KL and top-1 (reported as NaN): the plan search needs only the loss."""
         model = self.model if model is None else model
         hook_codecs = [c if c is not None else f for c, f in zip(codecs, self.fp16)]
         nll = kl = agree = 0.0
@@ -104,8 +110,10 @@ class Evaluator:
             hook = fake_quant_hook(hook_codecs, window)
             logits = model(ids, hook, start_layer=first_layer, hidden=inputs[first_layer], window=window)[:, :-1]
             logp = F.log_softmax(logits, -1)
-            ref = ref_logp.float()
             nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
+            if loss_only:
+                continue
+            ref = ref_logp.float()
             kl += (ref.exp() * (ref - logp)).sum().item()
             agree += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
         nll /= self.tokens
@@ -113,7 +121,7 @@ class Evaluator:
             nll=nll,
             ppl=math.exp(nll),
             loss=math.exp(nll - self.ref_nll) - 1,
-            kl=kl / self.tokens,
-            top1=agree / self.tokens,
+            kl=math.nan if loss_only else kl / self.tokens,
+            top1=math.nan if loss_only else agree / self.tokens,
             tokens=self.tokens,
         )

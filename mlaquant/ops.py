@@ -148,13 +148,16 @@ def mla_decode_reference(
     t_max = max(lens_host)
     pos = torch.arange(t_max, device=q.device)
     valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [B, T]
-    b_idx, t_idx = valid.nonzero(as_tuple=True)  # only the rows that exist
-    blocks = block_table[b_idx, t_idx // block_size].long()
-    if blocks.numel() and (blocks.min() < 0 or blocks.max() >= num_blocks):
+    # gather whole pages (fast contiguous copies); slots past seq_len are decoded, then zeroed
+    n_pages = -(-t_max // block_size)
+    pages = block_table[:, :n_pages].long()  # [B, n_pages]
+    used = torch.arange(n_pages, device=q.device).unsqueeze(0) * block_size < lens.unsqueeze(1)
+    named = pages[used]
+    if named.numel() and (named.min() < 0 or named.max() >= num_blocks):
         raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
-    rows = codec.decode(pool[blocks, t_idx % block_size])  # [n_valid, d_c + d_r] float32
-    kv = torch.zeros(batch, t_max, width, dtype=torch.float32, device=q.device)  # [B, T, d_c + d_r]
-    kv[b_idx, t_idx] = rows
+    pages = torch.where(used, pages, 0)
+    raw = pool[pages].reshape(batch, n_pages * block_size, -1)[:, :t_max]  # [B, T, row_bytes]
+    kv = codec.decode(raw).masked_fill(~valid.unsqueeze(-1), 0.0)  # [B, T, d_c + d_r] float32
     scores = torch.einsum("bhw,btw->bht", q.float(), kv) * scale  # [B, H, T]
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H]

@@ -49,22 +49,19 @@ def test_tighter_budget_gives_wider_plan(bundled, plan_1pct):
     assert report["validation"]["loss"] <= 0.8 * 0.0001
 
 
-def test_outlier_layer_falls_back_while_others_stay_narrow(bundled, plan_1pct):
+def test_outlier_layer_falls_back_while_others_stay_narrow(bundled):
     layer = 2
     norm = bundled.layers[layer].self_attn.kv_a_layernorm.weight
     original = norm.detach().clone()
     with torch.no_grad():
-        norm.mul_(30.0)  # sharper attention in this layer only: its cache error is amplified 30×
+        norm[:8] *= 20.0  # 8 outlier channels in this layer's c_kv: INT4 steps sized by them drown the rest
     try:
         plan, _ = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.01), quiet=True)
     finally:
         with torch.no_grad():
             norm.copy_(original)
-    d_c, d_r = bundled.cfg.kv_lora_rank, bundled.cfg.qk_rope_head_dim
-    rows = [plan.layer_codec(i, d_c, d_r).row_bytes for i in range(len(plan.layers))]
-    base = [plan_1pct[0].layer_codec(i, d_c, d_r).row_bytes for i in range(len(plan.layers))]
-    assert rows[layer] > base[layer]
-    assert all(rows[i] == min(rows) for i in range(len(rows)) if i != layer)
+    assert not plan.layers[layer].ckv.startswith("int4")
+    assert all(lp.ckv.startswith("int4") for i, lp in enumerate(plan.layers) if i != layer)
 
 
 def test_bad_inputs(bundled, tmp_path):

@@ -297,7 +297,7 @@ def test_parse_defaults_and_fields():
     assert [CodecSpec.parse(n).bits for n in ("fp32", "bf16", "fp16", "int8", "int4")] == [32, 16, 16, 8, 4]
 
 
-@pytest.mark.parametrize("bad", ["int3", "int8-g0", "fp16-g32", "int8-gx", "int4-g32-foo", "", "fp8"])
+@pytest.mark.parametrize("bad", ["int3", "int8-g0", "fp16-g32", "int8-gx", "int4-g32-foo", "", "fp8-asym"])
 def test_parse_rejects_bad_names(bad):
     with pytest.raises(CodecError, match="codec"):
         CodecSpec.parse(bad)

@@ -1,0 +1,329 @@
+"""`mlaquant export`: a calibrated plan → a model directory vLLM / SGLang serve with an FP8 latent cache.
+
+What the engines can store: vLLM's MLA cache in `fp8` is one e4m3 row [c_kv | k_pe] per token and
+layer (576 B for DeepSeek), quantized with ONE per-layer scale `k_scale` (x / k_scale on write, ×
+k_scale on read; `v_scale` is loaded but V is a view of c_kv). So a plan exports exactly when every
+layer is static `fp8` (mlaquant's codec with the same semantics, `mlaquant.codecs`). The exported `k_scale`
+is absmax over c_kv AND k_pe of the layer's calibrated range / 448 — its clip range when the plan
+clips the layer (then it is exactly the scale the plan's fp8 codec used), else the observed range
+`range_lo/range_hi` of the latent itself (not of expanded K/V; an unclipped fp8 layer was measured
+at scale 1.0 by calibration, so the export measurement below is what covers its exported scale).
+
+Anything else — INT8/INT4 or grouped-fp8 or FP16 layers, a residual FP16 window — the engines cannot
+represent. It is refused with an error naming the layers, unless `--map-to-fp8`: then those layers
+become static fp8 with the k_scale above. Layers caching a Hadamard-rotated latent are always
+refused: the engine caches the unrotated latent, whose range the plan does not hold.
+
+Before anything is written, the exported cache is measured here: the test split through the
+engine-equivalent codecs (and, for comparison, at scale 1.0 — what an engine without scales does),
+streamed one layer at a time. An export over the plan's budget is refused unless `--force`.
+
+Output (written atomically to a temp dir, then renamed): every top-level file of the model directory
+(safetensors hard-linked, or symlinked across file systems, or copied with `--copy`), plus
+
+    kv_cache_scales.safetensors   model.layers.{i}.self_attn.k_scale / v_scale, float32 [1] (k = v)
+    model.safetensors.index.json  the source index + the scale tensors
+    config.json                   + quantization_config.kv_cache_scheme (compressed-tensors):
+                                  {num_bits: 8, type: float, strategy: tensor, symmetric, static}
+    mlaquant_export.json          per-layer scales and mapping, measured losses, engine notes
+
+Scale names follow compressed-tensors / llm-compressor; both engines remap `...self_attn.k_scale`
+onto their attention layer. Interleaved-RoPE checkpoints: mlaquant caches k_pe de-interleaved
+([even | odd] channels); a per-layer scalar scale does not depend on channel order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mlaquant.codecs import LayerCodec, fp8_static_scale
+from mlaquant.errors import CheckpointError, MLAQuantError, PlanError
+from mlaquant.plan import Plan
+
+SCALES_FILE = "kv_cache_scales.safetensors"
+REPORT_FILE = "mlaquant_export.json"
+FORMATS = ("compressed-tensors",)
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+_REWRITTEN = ("config.json", "model.safetensors.index.json", SCALES_FILE, REPORT_FILE)
+
+
+def scale_names(i: int) -> tuple[str, str]:
+    """Checkpoint names of layer i's KV-cache scales."""
+    return f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale"
+
+
+@dataclasses.dataclass
+class LayerExport:
+    """How one layer's cache leaves mlaquant."""
+
+    layer: int
+    plan_codec: str
+    k_scale: float
+    mapped: bool  # False: the plan's own codec, exactly; True: converted to static fp8
+    source: str  # where k_scale comes from
+
+
+def engine_scales(plan: Plan, d_c: int, d_r: int, map_to_fp8: bool) -> list[LayerExport]:
+    """Per layer, the static-fp8 scale the engine will use; PlanError for what cannot be exported."""
+    rotated = [i for i, lp in enumerate(plan.layers) if lp.rotate]
+    if rotated:
+        raise PlanError(
+            f"layers {_layer_list(rotated)} cache a Hadamard-rotated latent, which vLLM/SGLang cannot "
+            "represent; re-calibrate with `try_rotation: false` to export"
+        )
+    out, unsupported = [], []
+    for i, lp in enumerate(plan.layers):
+        kind = "clip" if lp.clip else "range"
+        lo, hi = plan.tensors.get(f"layer{i}.{kind}_lo"), plan.tensors.get(f"layer{i}.{kind}_hi")
+        for t in (lo, hi):
+            if t is not None and tuple(t.shape) != (d_c + d_r,):
+                raise PlanError(f"plan tensors of layer {i}: {t.shape[0]} channels, model rows {d_c + d_r}")
+        codec = plan.layer_codec(i, d_c, d_r)
+        exact = codec.ckv.spec.is_static_fp8 and codec.kpe.spec.is_static_fp8 and not plan.window
+        if not exact:
+            unsupported.append(i)
+        if lo is not None:
+            source = "calibrated clip range" if lp.clip else "observed calibration range"
+            out.append(LayerExport(i, lp.codec_name, fp8_static_scale(lo, hi), not exact, source))
+        elif exact:  # a uniform "fp8" plan: nothing calibrated, the engines' default
+            out.append(LayerExport(i, lp.codec_name, codec.ckv.fp8_scale, False, "uncalibrated (1.0)"))
+        elif map_to_fp8:
+            raise PlanError(f"layer {i} ({lp.codec_name}) has no calibrated range to map to fp8: calibrate")
+    if unsupported and not map_to_fp8:
+        codecs = sorted({plan.layers[i].codec_name for i in unsupported})
+        window = f" and a residual FP16 window of {plan.window} tokens" if plan.window else ""
+        raise PlanError(
+            f"layers {_layer_list(unsupported)} use {', '.join(codecs)}{window}; vLLM/SGLang store an MLA "
+            "cache only as FP8 with one scale per layer — pass --map-to-fp8 to export them as fp8 "
+            "(loss measured)"
+        )
+    return out
+
+
+def _layer_list(layers: list[int]) -> str:
+    return ", ".join(map(str, layers[:12])) + (f" (+{len(layers) - 12} more)" if len(layers) > 12 else "")
+
+
+def engine_codecs(scales: list[float], d_c: int, d_r: int) -> list[LayerCodec]:
+    """What the engine does per layer: static e4m3 over [c_kv | k_pe] with one scale."""
+    return [LayerCodec.from_names("fp8", "fp8", d_c, d_r, fp8_scale=s) for s in scales]
+
+
+def quantization_config(existing: dict | None) -> tuple[dict, str]:
+    """config.json's quantization_config with the kv_cache_scheme, and a note on what was done."""
+    if existing is None:
+        config = {
+            "quant_method": "compressed-tensors",
+            "format": "dense",
+            "quantization_status": "compressed",
+            "config_groups": {},
+            "ignore": [],
+            "kv_cache_scheme": dict(KV_CACHE_SCHEME),
+        }
+        return config, "added a compressed-tensors quantization_config holding only the kv_cache_scheme"
+    method = existing.get("quant_method")
+    if method == "compressed-tensors":
+        return {**existing, "kv_cache_scheme": dict(KV_CACHE_SCHEME)}, "set kv_cache_scheme in its config"
+    # e.g. official DeepSeek-V3 block-FP8 weights ("fp8"): that config must stay, the scales still load
+    note = (
+        f"kept quantization_config (quant_method {method!r}); engines read the k_scale/v_scale tensors "
+        "through that method's KV-cache scales; no kv_cache_scheme written"
+    )
+    return existing, note
+
+
+def _weight_map(model_dir: Path) -> tuple[dict[str, str], int]:
+    """tensor → file, and the index's total_size (the file size for a single-file checkpoint)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        doc = json.loads(index.read_text())
+        return dict(doc["weight_map"]), int(doc.get("metadata", {}).get("total_size", 0))
+    single = model_dir / "model.safetensors"
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), "model.safetensors"), single.stat().st_size
+
+
+def _place(src: Path, dst: Path, copy: bool) -> None:
+    """Large weights are linked (hard link, else symlink); small files and `copy` are copied."""
+    if copy or src.suffix != ".safetensors":
+        shutil.copy2(src, dst)
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        dst.symlink_to(src.resolve())
+
+
+def source_weight_map(model_dir: Path) -> tuple[dict[str, str], int]:
+    """The checkpoint's tensor → file map and total size; refuses one that already has KV-cache scales."""
+    weight_map, total = _weight_map(model_dir)
+    suffixes = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
+    present = [n for n in weight_map if n.endswith(suffixes)]
+    if present:
+        raise CheckpointError(
+            f"{model_dir}: already carries KV-cache scales ({present[0]} in {weight_map[present[0]]}); "
+            "export from the checkpoint without them"
+        )
+    return weight_map, total
+
+
+def write_export(
+    model_dir: Path, out: Path, layers: list[LayerExport], report: dict, copy: bool = False
+) -> tuple[Path, str]:
+    """Write the exported model directory atomically; returns (out, note on quantization_config)."""
+    weight_map, total = source_weight_map(model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw["quantization_config"], note = quantization_config(raw.get("quantization_config"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
+    try:
+        for src in sorted(model_dir.iterdir()):
+            if src.is_file() and src.name not in _REWRITTEN:
+                _place(src, tmp / src.name, copy)
+        tensors = {}
+        for lx in layers:
+            k, v = scale_names(lx.layer)
+            tensors[k] = torch.tensor([lx.k_scale], dtype=torch.float32)
+            tensors[v] = tensors[k].clone()
+        save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "mlaquant export"})
+        weight_map.update(dict.fromkeys(tensors, SCALES_FILE))
+        meta = {"total_size": total + 4 * len(tensors)}
+        index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+        (tmp / REPORT_FILE).write_text(json.dumps({**report, "quantization_config": note}, indent=2) + "\n")
+        # mkdtemp and safetensors create owner-only modes; a served model is read by other users too
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)
+        for name in (SCALES_FILE, "model.safetensors.index.json", "config.json", REPORT_FILE):
+            (tmp / name).chmod(0o666 & ~umask)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out, note
+
+
+def _check_out(out: Path, model_dir: Path, plan_dir: Path) -> None:
+    o = out.resolve()
+    for d in (model_dir.resolve(), plan_dir.resolve()):
+        if o == d or d in o.parents or o in d.parents:
+            raise MLAQuantError(f"--out {out} overlaps {d}; choose a new directory")
+    if out.exists() and not (out / REPORT_FILE).is_file():
+        raise MLAQuantError(f"--out {out} exists and is not an mlaquant export; refusing to replace it")
+
+
+def measure(model, plan: Plan, scales: list[float], args: argparse.Namespace) -> dict:
+    """Test-split metrics of the engine-equivalent cache (and at scale 1.0), on the plan's test samples."""
+    from mlaquant.calib.data import split_path, token_samples
+    from mlaquant.stream import StreamedEvaluator
+
+    if model.tokenizer is None:
+        raise MLAQuantError(f"{model.source}: no tokenizer.json; export measures the exported cache on text")
+    s = plan.settings
+    eos = model.cfg.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    data = args.test_data or s.get("test_data") or split_path("test")
+    samples = args.samples or s.get("test_samples") or 64
+    seq_len = args.seq_len or s.get("seq_len") or 512
+    tokens = token_samples(model.tokenizer, data, samples, seq_len, s.get("seed", 0) + 2, eos)
+    evaluator = StreamedEvaluator(model, tokens, s.get("batch_size") or 8)
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    exported = evaluator.evaluate(engine_codecs(scales, d_c, d_r)).as_dict()
+    unscaled = evaluator.evaluate(engine_codecs([1.0] * len(scales), d_c, d_r)).as_dict()
+    return {
+        "data": str(data),
+        "samples": int(tokens.shape[0]),
+        "seq_len": int(seq_len),
+        "exported": exported,
+        "scale_1": unscaled,
+    }
+
+
+def export(args: argparse.Namespace) -> dict:
+    """The whole command; returns the report written as mlaquant_export.json."""
+    from mlaquant.stream import StreamedModel
+
+    if args.format not in FORMATS:
+        raise MLAQuantError(f"--format {args.format!r} unknown (known: {', '.join(FORMATS)})")
+    plan_dir, model_dir, out = Path(args.plan), Path(args.model), Path(args.out)
+    plan = Plan.load(plan_dir)
+    _check_out(out, model_dir, plan_dir)
+    model = StreamedModel(model_dir)
+    source_weight_map(model_dir)
+    plan.check_model(model)
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    layers = engine_scales(plan, d_c, d_r, args.map_to_fp8)
+    metrics = measure(model, plan, [lx.k_scale for lx in layers], args)
+    budget = plan.budget if plan.budget is not None else 0.01
+    loss = metrics["exported"]["loss"]
+    if loss > budget and not args.force:
+        raise PlanError(
+            f"exported FP8 cache measures {loss:+.3%} on {metrics['exported']['tokens']} test tokens, over "
+            f"the plan's budget {budget:.2%}; pass --force to export anyway"
+        )
+    report = {
+        "format": args.format,
+        "plan": str(plan_dir),
+        "model": str(model_dir),
+        "budget": budget,
+        "plan_test": plan.metrics.get("test"),
+        "measured": metrics,
+        "layers": [dataclasses.asdict(lx) for lx in layers],
+        "engines": {
+            "vllm": "--kv-cache-dtype fp8: writes x / k_scale as e4m3 (c_kv and k_pe), reads q × k_scale",
+            "sglang": "--kv-cache-dtype fp8_e4m3: loads the scales; its generic MLA pool casts rows at "
+            "scale 1.0 (see measured.scale_1) — only backends that fold k_scale in apply it",
+        },
+    }
+    written, note = write_export(model_dir, out, layers, report, args.copy)
+    report["out"], report["quantization_config"] = str(written), note
+    return report
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", required=True, help="plan directory from `mlaquant calibrate`")
+    p.add_argument("--model", required=True, help="the checkpoint directory the plan was calibrated on")
+    p.add_argument("--format", default="compressed-tensors", help="output format (compressed-tensors)")
+    p.add_argument("--out", required=True, help="directory to write (a model directory for vLLM / SGLang)")
+    p.add_argument("--map-to-fp8", action="store_true", help="export other codecs as fp8 (loss measured)")
+    p.add_argument("--force", action="store_true", help="export even if the measured loss is over the budget")
+    p.add_argument("--copy", action="store_true", help="copy weight files instead of hard/sym-linking them")
+    p.add_argument("--test-data", default=None, help="text to measure on (default: the plan's test split)")
+    p.add_argument("--samples", type=int, default=None, help="test samples (default: the plan's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the plan's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    report = export(args)
+    m = report["measured"]
+    print("| layer | plan codec | exported | k_scale | from |")
+    print("|---|---|---|---|---|")
+    for lx in report["layers"]:
+        kind = "fp8 (mapped)" if lx["mapped"] else "fp8"
+        print(f"| {lx['layer']} | {lx['plan_codec']} | {kind} | {lx['k_scale']:.6g} | {lx['source']} |")
+    e, u = m["exported"], m["scale_1"]
+    print(
+        f"measured on {e['tokens']} test tokens: exported scales loss {e['loss']:+.3%} (KL {e['kl']:.5f}, "
+        f"top-1 {e['top1']:.2%}); at scale 1.0 loss {u['loss']:+.3%}"
+    )
+    print(f"{report['quantization_config']}")
+    print(f"exported to {report['out']} (serve with --kv-cache-dtype fp8; see docs/serving.md)")
+    return 0
