@@ -39,6 +39,36 @@ class EvalResult:
         return {k: (round(v, 8) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
 
 
+@dataclasses.dataclass
+class Scores:
+    """Running sums of one plan's evaluation over the predicted tokens (shared by the in-memory and
+    streamed evaluators)."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    agree: float = 0.0
+
+    def add(self, logits: torch.Tensor, ids: torch.Tensor, ref_logp: torch.Tensor | None) -> None:
+        """logits [B, T-1, V] predicting ids[:, 1:] ([B, T]); ref_logp (FP16 reference) None = loss only."""
+        logp = F.log_softmax(logits, -1)
+        self.nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
+        if ref_logp is not None:
+            ref = ref_logp.float()
+            self.kl += (ref.exp() * (ref - logp)).sum().item()
+            self.agree += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
+
+    def result(self, tokens: int, ref_nll: float, loss_only: bool) -> EvalResult:
+        nll = self.nll / tokens
+        return EvalResult(
+            nll=nll,
+            ppl=math.exp(nll),
+            loss=math.exp(nll - ref_nll) - 1,
+            kl=math.nan if loss_only else self.kl / tokens,
+            top1=math.nan if loss_only else self.agree / tokens,
+            tokens=tokens,
+        )
+
+
 def fake_quant_hook(codecs: list[LayerCodec | None], window: int = 0) -> Callable:
     """latent_rows hook quantizing layer i's rows with codecs[i] (None leaves the layer exact).
 
@@ -105,23 +135,9 @@ class Evaluator:
         `loss_only` skips KL and top-1 (reported as NaN): the plan search needs only the loss."""
         model = self.model if model is None else model
         hook_codecs = [c if c is not None else f for c, f in zip(codecs, self.fp16)]
-        nll = kl = agree = 0.0
+        scores = Scores()
         for ids, ref_logp, inputs in zip(self.batches, self.ref_logp, self.ref_inputs):
             hook = fake_quant_hook(hook_codecs, window)
             logits = model(ids, hook, start_layer=first_layer, hidden=inputs[first_layer], window=window)[:, :-1]
-            logp = F.log_softmax(logits, -1)
-            nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
-            if loss_only:
-                continue
-            ref = ref_logp.float()
-            kl += (ref.exp() * (ref - logp)).sum().item()
-            agree += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
-        nll /= self.tokens
-        return EvalResult(
-            nll=nll,
-            ppl=math.exp(nll),
-            loss=math.exp(nll - self.ref_nll) - 1,
-            kl=math.nan if loss_only else kl / self.tokens,
-            top1=math.nan if loss_only else agree / self.tokens,
-            tokens=self.tokens,
-        )
+            scores.add(logits, ids, None if loss_only else ref_logp)
+        return scores.result(self.tokens, self.ref_nll, loss_only)

@@ -29,7 +29,6 @@ import functools
 import hashlib
 import itertools
 import json
-import math
 import shutil
 import tempfile
 import weakref
@@ -44,7 +43,7 @@ from torch import nn
 from mlaquant.calib.observers import LatentObserver, LatentStats
 from mlaquant.codecs import LayerCodec
 from mlaquant.errors import CheckpointError, MLAQuantError
-from mlaquant.eval import EvalResult, fake_quant_hook
+from mlaquant.eval import EvalResult, Scores, fake_quant_hook
 from mlaquant.loader import (
     _deinterleave_rope,
     _expert_tensor,
@@ -226,8 +225,7 @@ class StreamedModel:
                 t = _deinterleave_rope(cfg, name, t)
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(
-                f"{self.path}: tensor '{hf}' has shape {tuple(t.shape)}, "
-                f"expected {tuple(shape)} from config.json"
+                f"{self.path}: tensor '{hf}' has shape {tuple(t.shape)}, expected {tuple(shape)} from config.json"
             )
         return t.to(dtype=self.dtype if t.is_floating_point() else t.dtype)
 
@@ -353,9 +351,7 @@ class StreamedEvaluator:
     Keeps the FP16-cache reference's per-layer inputs and log-probabilities in the model's spill pool.
     """
 
-    def __init__(
-        self, model: StreamedModel, samples: torch.Tensor, batch_size: int = 8, progress=None
-    ) -> None:
+    def __init__(self, model: StreamedModel, samples: torch.Tensor, batch_size: int = 8, progress=None) -> None:
         if samples.dim() != 2 or samples.shape[1] < 2:
             raise MLAQuantError(f"evaluation samples must be [N, T ≥ 2], got {list(samples.shape)}")
         self.model = model
@@ -390,17 +386,10 @@ class StreamedEvaluator:
         arguments, same numbers (`loss_only`: KL and top-1 skipped, reported as NaN)."""
         model = self.model if model is None else model
         hook_codecs = [c if c is not None else f for c, f in zip(codecs, self.fp16)]
-        sums = {"nll": 0.0, "kl": 0.0, "agree": 0.0}
+        scores = Scores()
 
         def score(b: int, logits: torch.Tensor) -> None:
-            ids = self.batches[b]
-            logp = F.log_softmax(logits[:, :-1], -1)
-            sums["nll"] -= logp.gather(-1, ids[:, 1:, None]).sum().item()
-            if loss_only:
-                return
-            ref = self.ref_logp[b].float()
-            sums["kl"] += (ref.exp() * (ref - logp)).sum().item()
-            sums["agree"] += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
+            scores.add(logits[:, :-1], self.batches[b], None if loss_only else self.ref_logp[b])
 
         model.run(
             self.batches,
@@ -410,12 +399,4 @@ class StreamedEvaluator:
             window=window,
             on_logits=score,
         )
-        nll = sums["nll"] / self.tokens
-        return EvalResult(
-            nll=nll,
-            ppl=math.exp(nll),
-            loss=math.exp(nll - self.ref_nll) - 1,
-            kl=math.nan if loss_only else sums["kl"] / self.tokens,
-            top1=math.nan if loss_only else sums["agree"] / self.tokens,
-            tokens=self.tokens,
-        )
+        return scores.result(self.tokens, self.ref_nll, loss_only)
