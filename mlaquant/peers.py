@@ -269,22 +269,31 @@ class TransformersPeers:
         return 1.0 / statistics.median(times[1:])
 
     def measure(
-        self, spec: PeerSpec, evaluator: Evaluator, prompt: torch.Tensor, steps: int, threads: int | None
+        self,
+        spec: PeerSpec,
+        evaluator: Evaluator,
+        prompt: torch.Tensor,
+        steps: int,
+        threads: int | None,
+        batch_size: int,
     ) -> dict:
+        """One peer row: step decoding of the evaluator's samples in batches of `batch_size` (each step
+        is one transformers forward, so larger batches mean fewer Python-bound steps)."""
+        samples = evaluator.samples
         logits, storage = [], {}
-        for ids in evaluator.batches:
+        for ids in samples.split(batch_size):
             cache = self.new_cache(spec)
             logits.append(self.step_logits(ids, cache))
             storage = self.storage(cache, ids.shape[0])
+        per_batch = torch.cat(logits).split([ids.shape[0] for ids in evaluator.batches])
         with torch_threads(threads):
             speed = self.decode_tokens_per_s(spec, prompt, steps)
+        codec = "fp32 latent" if spec.backend is None else f"{spec.backend}-int{spec.nbits}-g{self.group}"
         return {
             "label": self.label(spec),
-            "codec": "fp32 latent"
-            if spec.backend is None
-            else f"{spec.backend}-int{spec.nbits}-g{self.group}",
+            "codec": codec,
             **storage,
-            "metrics": score_logits(evaluator, logits).as_dict(),
+            "metrics": score_logits(evaluator, list(per_batch)).as_dict(),
             "decode_tokens_per_s": speed,
         }
 

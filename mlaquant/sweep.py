@@ -88,6 +88,7 @@ class SweepConfig:
     peers: tuple = ("transformers", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2", "bnb-nf4")
     peer_group_size: int = 64
     peer_residual_length: int = 128
+    peer_batch_size: int = 16
     nf4_blocksize: int = 64
     decode_context: int = 256
     decode_steps: int = 16
@@ -97,8 +98,8 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if not self.codecs and not self.peers and not self.budgets:
             raise ConfigError("sweep: nothing to measure (codecs, budgets and peers are all empty)")
-        if self.samples <= 0 or self.seq_len < 2 or self.batch_size <= 0:
-            raise ConfigError("sweep: need samples > 0, seq_len ≥ 2, batch_size > 0")
+        if self.samples <= 0 or self.seq_len < 2 or self.batch_size <= 0 or self.peer_batch_size <= 0:
+            raise ConfigError("sweep: need samples > 0, seq_len ≥ 2, batch_size > 0, peer_batch_size > 0")
         if not self.contexts or any(not isinstance(c, int) or c <= 0 for c in self.contexts):
             raise ConfigError(f"sweep: contexts must be positive integers, got {list(self.contexts)}")
         if any(not 0 < b < 1 for b in (*self.budgets, self.target_budget)):
@@ -269,8 +270,8 @@ class SweepRun:
 
         if spec.name == "bnb-nf4":
             return peers.measure_nf4(self.evaluator, self.cfg.nf4_blocksize)
+        cfg = self.cfg
         if self._hf is None:
-            cfg = self.cfg
             self._hf = peers.TransformersPeers(
                 self.model.source,
                 self.model.dtype,
@@ -280,7 +281,7 @@ class SweepRun:
                 cfg.peer_residual_length,
             )
         return self._hf.measure(
-            spec, self.evaluator, self.prompt, self.cfg.decode_steps, self.cfg.decode_threads
+            spec, self.evaluator, self.prompt, cfg.decode_steps, cfg.decode_threads, cfg.peer_batch_size
         )
 
 
@@ -297,7 +298,11 @@ def row_specs(cfg: SweepConfig, plans: dict[str, Plan], plan_digests: dict[str, 
     for name in cfg.peers:
         spec = {"peer": name}
         if name != "bnb-nf4":
-            spec |= {"group": cfg.peer_group_size, "residual": cfg.peer_residual_length}
+            spec |= {
+                "group": cfg.peer_group_size,
+                "residual": cfg.peer_residual_length,
+                "batch": cfg.peer_batch_size,
+            }
         else:
             spec |= {"blocksize": cfg.nf4_blocksize}
         rows.append(RowSpec(f"peer:{name}", "peer", name, spec))
