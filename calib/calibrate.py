@@ -13,6 +13,10 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
 4. verify    the whole plan on validation; while over `headroom × budget`, fall back layer by layer —
              the layer with the largest single-layer loss moves to its next wider candidate (e.g.
              INT4 → INT8 → FP16) — and record why.
+   int8      with `int8_matmul`, every layer's absorbed projections (q_nope·W_UK, W_UV, o_proj) go
+             W8A8 on top of the verified cache plan; while the plan is over `headroom × budget`, the
+             layer whose projections cost most alone (validation loss, FP16 cache) goes back to FP
+             matmuls, and the fallback is recorded.
 5. report    the plan's loss on the test split, guard bounds from the calibration rows, and an
              atomically written plan directory (plan.yaml + scales.safetensors).
 
@@ -38,7 +42,8 @@ from mlaquant.calib.observers import LatentStats, observe, percentile_bounds
 from mlaquant.codecs import LayerCodec
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.errors import MLAQuantError
-from mlaquant.eval import Evaluator
+from mlaquant.eval import EvalResult, Evaluator
+from mlaquant.int8_proj import with_int8_projections
 from mlaquant.model import MLAModel, hadamard_rotation, hadamard_signs, with_latent_rotation
 from mlaquant.plan import LayerPlan, Plan
 from mlaquant.stream import StreamedEvaluator, StreamedModel, observe_streamed
@@ -60,6 +65,7 @@ class CalibrateConfig:
     percentile: float = 0.999
     try_clip: bool = True
     try_rotation: bool = True
+    int8_matmul: bool = False
     candidates: tuple = (
         "int4-row/int4-row",
         "int4-row/int4-g32",
@@ -193,6 +199,43 @@ def search(table: list[list[Choice]], target: float) -> list[int]:
     return pick
 
 
+def int8_matmul_costs(model: MLAModel, evaluator: Evaluator, progress) -> list[float]:
+    """Per layer, the validation loss with only that layer's absorbed projections in W8A8 (FP16 cache)."""
+    n = len(model.layers)
+    costs = []
+    for i in range(n):
+        m = with_int8_projections(model, [i])
+        costs.append(evaluator.evaluate([None] * n, first_layer=i, model=m, loss_only=True).loss)
+        progress.update(1)
+    return costs
+
+
+def add_int8_matmul(
+    plan: Plan, model: MLAModel, evaluator: Evaluator, costs: list[float], target: float, fallbacks: list
+) -> EvalResult:
+    """Turn `int8_matmul` on in every layer of `plan`, then off again, costliest layer first, while the
+    plan's validation loss is over `target`; returns the final validation result."""
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    for lp in plan.layers:
+        lp.int8_matmul = True
+    result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
+    while result.loss > target and any(lp.int8_matmul for lp in plan.layers):
+        i = max((j for j, lp in enumerate(plan.layers) if lp.int8_matmul), key=costs.__getitem__)
+        plan.layers[i].int8_matmul = False
+        fallbacks.append(
+            {
+                "layer": i,
+                "from": "int8_matmul",
+                "to": "fp matmul",
+                "reason": f"plan validation loss {result.loss:.4%} > {target:.4%} (headroom × budget); "
+                f"layer {i}'s INT8 projections cost the most alone ({costs[i]:.4%})",
+            }
+        )
+        log.info("fallback: layer %d int8_matmul → fp matmul", i)
+        result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
+    return result
+
+
 def max_row_error(rows: torch.Tensor, codec: LayerCodec) -> float:
     """Worst per-row relative quantization error of calibration rows [n, d_c + d_r] (the guard's bound)."""
     return float(codec.relative_error(rows, "none").max())
@@ -211,6 +254,8 @@ def calibrate(
         raise MLAQuantError(f"{model.source}: no tokenizer.json; calibration needs text → tokens")
     t0 = time.perf_counter()
     streamed = isinstance(model, StreamedModel)  # layer-major twins of observe / Evaluator, same numbers
+    if streamed and cfg.int8_matmul:
+        raise MLAQuantError("calibrate: int8_matmul is not supported with --stream (load the model whole)")
     observe_fn, evaluator_cls = (observe_streamed, StreamedEvaluator) if streamed else (observe, Evaluator)
     eos = model.cfg.eos_token_id
     eos = eos[0] if isinstance(eos, list) else eos
@@ -221,7 +266,7 @@ def calibrate(
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     int_candidates = sum(1 for c in cfg.candidates if c != "fp16/fp16")
     batches = lambda x: -(-x.shape[0] // cfg.batch_size)
-    total = batches(cal) + batches(val) + n_layers * int_candidates
+    total = batches(cal) + batches(val) + n_layers * (int_candidates + cfg.int8_matmul)
     with tqdm(total=total, desc="calibrate", disable=quiet, file=sys.stderr) as bar:
         bar.set_postfix_str("observing ranges")
         stats = observe_fn(model, cal, cfg.batch_size, progress=bar)
@@ -230,6 +275,9 @@ def calibrate(
         evaluator = evaluator_cls(model, val, cfg.batch_size, progress=bar)
         bar.set_postfix_str("per-layer sensitivity")
         table = measure_layers(model, evaluator, variants, cfg, bar)
+        if cfg.int8_matmul:
+            bar.set_postfix_str("int8 projections")
+            int8_costs = int8_matmul_costs(model, evaluator, bar)
     target = cfg.headroom * cfg.budget
     pick = search(table, target)
     fallbacks = []
@@ -269,6 +317,8 @@ def calibrate(
         log.info("fallback: layer %d %s → %s", i, old.name, new.name)
         plan = build()
         result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
+    if cfg.int8_matmul:
+        result = add_int8_matmul(plan, model, evaluator, int8_costs, target, fallbacks)
     report = {"validation": result.as_dict(), "candidates": [[dataclasses.asdict(c) for c in row] for row in table]}
     if cfg.test_samples:
         test = token_samples(tok, test_data or split_path("test"), cfg.test_samples, cfg.seq_len, cfg.seed + 2, eos)
@@ -301,15 +351,15 @@ def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     fp16 = (d_c + d_r) * 2
     lines = [
-        "| layer | c_kv | k_pe | clip | rotate | bytes/token | vs FP16 | val loss (layer alone) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| layer | c_kv | k_pe | clip | rotate | int8 matmul | bytes/token | vs FP16 | val loss (layer alone) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, lp in enumerate(plan.layers):
         rb = plan.layer_codec(i, d_c, d_r).row_bytes
-        flags = " | ".join("yes" if f else "no" for f in (lp.clip, lp.rotate))
+        flags = " | ".join("yes" if f else "no" for f in (lp.clip, lp.rotate, lp.int8_matmul))
         lines.append(f"| {i} | {lp.ckv} | {lp.kpe} | {flags} | {rb} | {fp16 / rb:.2f}× | {lp.loss:+.3%} |")
     total = plan.bytes_per_token(d_c, d_r)
-    lines.append(f"| all | | | | | {total} | {fp16 * len(plan.layers) / total:.2f}× | |")
+    lines.append(f"| all | | | | | | {total} | {fp16 * len(plan.layers) / total:.2f}× | |")
     out = "\n".join(lines)
     for split in ("validation", "test"):
         if split in report:
@@ -335,6 +385,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 512)")
     p.add_argument("--budget", type=float, default=None, help="max relative perplexity increase (default 0.01)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--int8-matmul",
+        action="store_true",
+        default=None,
+        help="also run the absorbed projections as W8A8 GEMMs where the budget allows (config: int8_matmul)",
+    )
     p.add_argument("--out", default="plans/default", help="plan directory to write")
     p.add_argument(
         "--stream",
@@ -350,7 +406,13 @@ def run(args: argparse.Namespace) -> int:
     base = load_config(CalibrateConfig, args.config, "calibrate.yaml")
     overrides = {
         k: v
-        for k, v in {"samples": args.samples, "seq_len": args.seq_len, "budget": args.budget, "seed": args.seed}.items()
+        for k, v in {
+            "samples": args.samples,
+            "seq_len": args.seq_len,
+            "budget": args.budget,
+            "seed": args.seed,
+            "int8_matmul": args.int8_matmul,
+        }.items()
         if v is not None
     }
     cfg = load_config(CalibrateConfig, {**to_dict(base), **overrides}, "calibrate.yaml")

@@ -476,6 +476,23 @@ def _resolve_chunk(chunk_tokens: int | None, longest: int, config: KernelConfig)
     return int(chunk_tokens)
 
 
+def codec_parts(codec, on_gpu: bool) -> tuple[_Part, _Part]:
+    """The kernel's view of a layer codec's row (c_kv part, k_pe part); BackendError when it cannot read it."""
+    if codec.row_bytes % 2:
+        raise BackendError(f"triton mla_decode: a row of {codec.row_bytes} bytes ({codec.name}) misaligns "
+                           "the FP16 values of every other row")
+    return _part(codec.ckv, 0, on_gpu, "c_kv"), _part(codec.kpe, codec.ckv.row_bytes, on_gpu, "k_pe")
+
+
+def supports(codec, on_gpu: bool = True) -> str | None:
+    """None when the kernel reads `codec`'s rows, else why not (the dispatcher's "auto" then uses torch)."""
+    try:
+        codec_parts(codec, on_gpu)
+    except BackendError as e:
+        return str(e)
+    return None
+
+
 def mla_decode_partials(
     q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, scale: float,
     chunk_tokens: int | None = None, config: KernelConfig | None = None, max_seq_len: int | None = None,
@@ -489,11 +506,7 @@ def mla_decode_partials(
     block_table, seq_lens = _int32(block_table), _int32(seq_lens)
     longest = _check_inputs(q, pool, block_table, seq_lens, codec, d_c, max_seq_len)
     chunk = _resolve_chunk(chunk_tokens, longest, config)
-    if codec.row_bytes % 2:
-        raise BackendError(f"triton mla_decode: a row of {codec.row_bytes} bytes ({codec.name}) misaligns "
-                           "the FP16 values of every other row")
-    c = _part(codec.ckv, 0, on_gpu, "c_kv")
-    r = _part(codec.kpe, codec.ckv.row_bytes, on_gpu, "k_pe")
+    c, r = codec_parts(codec, on_gpu)
     if q.dtype == torch.bfloat16 and not on_gpu:
         q = q.float()  # the interpreter has no bf16 arithmetic
     if q.stride(-1) != 1:
@@ -646,6 +659,7 @@ def score_group_dots(
 
 
 __all__ = [
+    "supports",
     "KernelConfig", "load_kernel_config", "mla_decode", "mla_decode_partials", "merge_partials",
     "merge_partials_triton", "merge_error_bound", "quantize_query", "effective_query", "score_group_dots",
     "interpreter_active", "PAGE_TOKENS",

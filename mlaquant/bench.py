@@ -48,6 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--layers", type=int, default=2)
     d.add_argument("--steps", type=int, default=5, help="timed decode steps per configuration")
     d.add_argument("--codecs", default="fp16,int8,int4", help="our cache codecs to time (first is the base)")
+    d.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=V2_LITE_ATTENTION["intermediate_size"],
+        help="dense MLP width; a small one leaves mostly attention + projections in the step",
+    )
     d.add_argument("--out", default=None, help="also write the table as JSON here")
     m = sub.add_parser("memory", help="FP16 latent vs per-head K/V cache bytes per token per layer")
     m.add_argument("--model", default=None, help="also a checkpoint directory (default: the bundled model)")
@@ -98,13 +104,16 @@ def _time_transformers(hf, rows: list[torch.Tensor], d_c: int, n: int) -> float:
     return _median_step(step, n)
 
 
-def bench_decode(contexts: list[int], layers: int, steps: int, codecs: list[str]) -> list[dict]:
+def bench_decode(
+    contexts: list[int], layers: int, steps: int, codecs: list[str], intermediate_size: int | None = None
+) -> list[dict]:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     from mlaquant.loader import load_model
 
     torch.manual_seed(0)
-    hf = DeepseekV2ForCausalLM(DeepseekV2Config(num_hidden_layers=layers, **V2_LITE_ATTENTION)).eval()
+    shapes = {**V2_LITE_ATTENTION, "intermediate_size": intermediate_size or V2_LITE_ATTENTION["intermediate_size"]}
+    hf = DeepseekV2ForCausalLM(DeepseekV2Config(num_hidden_layers=layers, **shapes)).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
         ours = load_model(tmp)
@@ -180,11 +189,11 @@ def run(args: argparse.Namespace) -> int:
         raise MLAQuantError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from e
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     print(
-        f"decode step, DeepSeek-V2-Lite attention shapes, {args.layers} layers, batch 1, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}"
+        f"decode step, DeepSeek-V2-Lite attention shapes, {args.layers} layers, dense MLP {args.intermediate_size}, "
+        f"batch 1, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     print(format_header(codecs))
-    results = bench_decode(contexts, args.layers, args.steps, codecs)
+    results = bench_decode(contexts, args.layers, args.steps, codecs, args.intermediate_size)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

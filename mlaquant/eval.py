@@ -105,20 +105,25 @@ class Evaluator:
         self.batches = list(samples.split(batch_size))
         d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
         self.fp16 = [LayerCodec.from_names("fp16", "fp16", d_c, d_r) for _ in model.layers]
+        self.tokens = samples.shape[0] * (samples.shape[1] - 1)
+        self.ref_nll = self._reference(progress) / self.tokens
+
+    def _reference(self, progress) -> float:
+        """Run the FP16-cache reference once, keeping every batch's per-layer inputs (`ref_inputs`) and
+        log-probabilities (`ref_logp`); returns the summed NLL."""
         self.ref_logp: list[torch.Tensor] = []
         self.ref_inputs: list[list[torch.Tensor]] = []
         nll = 0.0
         for ids in self.batches:
             inputs: list[torch.Tensor] = []
-            logits = model(ids, fake_quant_hook(self.fp16), layer_inputs=inputs)[:, :-1]
+            logits = self.model(ids, fake_quant_hook(self.fp16), layer_inputs=inputs)[:, :-1]
             logp = F.log_softmax(logits, -1)
             nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
             self.ref_logp.append(logp.half())
             self.ref_inputs.append(inputs)
             if progress is not None:
                 progress.update(1)
-        self.tokens = samples.shape[0] * (samples.shape[1] - 1)
-        self.ref_nll = nll / self.tokens
+        return nll
 
     def evaluate(
         self,

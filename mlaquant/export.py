@@ -39,13 +39,13 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mlaquant.atomic import atomic_directory
 from mlaquant.codecs import LayerCodec, fp8_static_scale
 from mlaquant.errors import CheckpointError, MLAQuantError, PlanError
 from mlaquant.plan import Plan
@@ -184,9 +184,7 @@ def write_export(
     weight_map, total = source_weight_map(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
     raw["quantization_config"], note = quantization_config(raw.get("quantization_config"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
-    try:
+    with atomic_directory(out) as tmp:
         for src in sorted(model_dir.iterdir()):
             if src.is_file() and src.name not in _REWRITTEN:
                 _place(src, tmp / src.name, copy)
@@ -208,16 +206,6 @@ def write_export(
         tmp.chmod(0o777 & ~umask)
         for name in (SCALES_FILE, "model.safetensors.index.json", "config.json", REPORT_FILE):
             (tmp / name).chmod(0o666 & ~umask)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out, note
 
 

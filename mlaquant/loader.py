@@ -151,6 +151,25 @@ def _expert_tensor(reader: _TensorReader, prefix: str, ours: str, e_count: int, 
     return gate_up[:, :inter] if ours == "w_gate" else gate_up[:, inter:]
 
 
+def read_parameter(reader: _TensorReader, cfg: MLAConfig, name: str, shape: tuple, where: Path) -> torch.Tensor:
+    """Our parameter `name` [shape] from the checkpoint in its stored dtype (FP8 blocks dequantized): experts
+    gathered, RoPE rows de-interleaved; a shape that disagrees with config.json is a CheckpointError."""
+    prefix, _, leaf = name.rpartition(".")
+    if leaf in ("w_gate", "w_up", "w_down"):
+        t = _expert_tensor(reader, _hf_name(prefix), leaf, cfg.n_routed_experts, cfg.moe_intermediate_size)
+        hf = f"{_hf_name(prefix)}.experts.*.{leaf[2:]}_proj.weight"
+    else:
+        hf = _hf_name(name)
+        t = reader.get(hf)
+        if cfg.rope_interleave:
+            t = _deinterleave_rope(cfg, name, t)
+    if tuple(t.shape) != tuple(shape):
+        raise CheckpointError(
+            f"{where}: tensor '{hf}' has shape {tuple(t.shape)}, expected {tuple(shape)} from config.json"
+        )
+    return t
+
+
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> MLAModel:
     """Load a DeepSeek-V2/V3 checkpoint directory (None: the bundled model) as an `MLAModel`."""
     if path is None:
@@ -170,19 +189,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
             continue
         if name.startswith("rotary."):
             continue
-        prefix, _, leaf = name.rpartition(".")
-        if leaf in ("w_gate", "w_up", "w_down"):
-            t = _expert_tensor(reader, _hf_name(prefix), leaf, cfg.n_routed_experts, cfg.moe_intermediate_size)
-            hf = f"{_hf_name(prefix)}.experts.*.{leaf[2:]}_proj.weight"
-        else:
-            hf = _hf_name(name)
-            t = reader.get(hf)
-            if cfg.rope_interleave:
-                t = _deinterleave_rope(cfg, name, t)
-        if tuple(t.shape) != tuple(param.shape):
-            raise CheckpointError(
-                f"{path}: tensor '{hf}' has shape {tuple(t.shape)}, expected {tuple(param.shape)} from config.json"
-            )
+        t = read_parameter(reader, cfg, name, tuple(param.shape), path)
         state[name] = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:

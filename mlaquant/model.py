@@ -11,8 +11,9 @@ Two attention paths over the same latent:
     absorbed     q_abs,h = [W_UK,h^T q_nope,h | q_pe,h];  s_t,h = q_abs,h · r_t   (decode: MQA over rows)
                  o_h = W_UV,h (Σ_t p_t,h c_kv_t)            V is a view of c_kv
 
-`MLAModel.forward` runs the expanded path over a whole sequence; `MLAModel.forward_absorbed` runs the
-absorbed path and hands each layer's new latent rows and absorbed queries to an `attend` callback, so
+`MLAModel.forward` runs the expanded path over a whole sequence (the absorbed one in layers whose
+projections run in INT8); `MLAModel.forward_absorbed` runs the absorbed path and hands each layer's
+new latent rows and absorbed queries to an `attend` callback, so
 the decode session (and its quantized cache) decides what every query reads.
 
 Interleaved RoPE checkpoints (DeepSeek-V2, V3 with `rope_interleave`) are de-interleaved once at load
@@ -239,6 +240,8 @@ class MLAAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         # orthogonal [d_c, d_c] applied to c_kv before it is cached; kv_b_proj then holds W·R
         self.latent_rotation: torch.Tensor | None = None
+        # W8A8 absorbed projections (mlaquant.int8_proj.Int8Projections) when a plan turns on int8_matmul
+        self.int8 = None
 
     def _query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] → q_nope [B, T, H, d_n], rotated q_pe [B, T, H, d_r]."""
@@ -262,7 +265,7 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
-    def forward_expanded(
+    def forward_sequence(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
@@ -271,17 +274,23 @@ class MLAAttention(nn.Module):
         rows_near: torch.Tensor | None = None,
         window: int = 0,
     ) -> torch.Tensor:
-        """Causal attention over the whole sequence with K/V expanded from the latent.
+        """Causal attention over the whole sequence: x [B, T, hidden] → [B, T, hidden].
 
-        x: [B, T, hidden]; rows (optional) replaces this layer's latent [B, T, d_c + d_r] (e.g. the
-        fake-quantized rows a cache would return). With `rows_near` [B, T, d_c + d_r] and `window` R,
-        query t reads rows_near for keys t−R < s ≤ t and `rows` for older keys: an exact simulation of
-        a cache that keeps its most recent R rows unquantized.
+        rows (optional) replaces this layer's latent [B, T, d_c + d_r] (e.g. the fake-quantized rows a
+        cache would return). With `rows_near` [B, T, d_c + d_r] and `window` R, query t reads rows_near for
+        keys t−R < s ≤ t and `rows` for older keys: an exact simulation of a cache that keeps its most
+        recent R rows unquantized. K/V are expanded from the latent, except in a layer whose absorbed
+        projections run in INT8 (`self.int8`): it attends the absorbed way (MQA over the rows, V = c_kv,
+        then W_UV and o_proj), the full-sequence twin of its decode.
         """
+        rows = self.latent(x, cos, sin) if rows is None else rows
+        attend = self._expanded_attention if self.int8 is None else self._latent_attention
+        return attend(x, cos, sin, rows, rows_near, window)
+
+    def _expanded_attention(self, x, cos, sin, rows, rows_near, window: int) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         q_nope, q_pe = self._query(x, cos, sin)
-        q = torch.cat((q_nope, q_pe), dim=-1)
 
         def expand(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             c_kv, k_pe = r.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -289,35 +298,60 @@ class MLAAttention(nn.Module):
             k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
             return torch.cat((k_nope, k_pe[:, :, None].expand(-1, -1, cfg.num_attention_heads, -1)), dim=-1), v
 
-        k, v = expand(self.latent(x, cos, sin) if rows is None else rows)
-        scores = torch.einsum("bthd,bshd->bhts", q, k) * self.scale  # [B, H, T, T]
-        pos = torch.arange(T, device=x.device)
-        causal = pos[None] <= pos[:, None]
-        near = None
-        if rows_near is not None:
-            k_near, v_near = expand(rows_near)
-            near = causal & (pos[:, None] - pos[None] < window)
-            scores = torch.where(near, torch.einsum("bthd,bshd->bhts", q, k_near) * self.scale, scores)
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-        if near is None:
-            out = torch.einsum("bhts,bshd->bthd", probs, v)
-        else:
-            out = torch.einsum("bhts,bshd->bthd", probs * ~near, v) + torch.einsum(
-                "bhts,bshd->bthd", probs * near, v_near
-            )
+        k, v = expand(rows)
+        near = None if rows_near is None else expand(rows_near)
+        out = causal_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, self.scale, near, window)
         return self.o_proj(out.reshape(B, T, -1))
+
+    def _latent_attention(self, x, cos, sin, rows, rows_near, window: int) -> torch.Tensor:
+        d_c = self.cfg.kv_lora_rank
+        near = None if rows_near is None else (rows_near, rows_near[..., :d_c])
+        o_lat = causal_attention(self.absorbed_query(x, cos, sin), rows, rows[..., :d_c], self.scale, near, window)
+        return self.output_from_latent(o_lat)
 
     def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] → q_abs [B, T, H, d_c + d_r] = [q_nope·W_UK | q_pe]."""
         q_nope, q_pe = self._query(x, cos, sin)
+        if self.int8 is not None:
+            return torch.cat((self.int8.query(q_nope), q_pe), dim=-1)
         w_uk, _ = self._w_uk_uv()
         return torch.cat((torch.einsum("bthn,hnc->bthc", q_nope, w_uk), q_pe), dim=-1)
 
     def output_from_latent(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [B, T, H, d_c] (attention output in latent space) → [B, T, hidden] via W_UV and o_proj."""
+        if self.int8 is not None:
+            return self.int8.output(o_lat)
         _, w_uv = self._w_uk_uv()
         o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)
         return self.o_proj(o.reshape(*o.shape[:2], -1))
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    near: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int = 0,
+) -> torch.Tensor:
+    """Causal softmax attention (FP32 softmax). q [B, T, H, D]; k [B, T, H, D] per head or [B, T, D] shared
+    (MQA); v [B, T, H, E] or [B, T, E] → [B, T, H, E]. With `near` = (k, v) of the same shapes, query t reads
+    them for keys t − window < s ≤ t and k, v for older keys."""
+    k_sub = "bshd" if k.dim() == 4 else "bsd"
+    v_sub = "bshe" if v.dim() == 4 else "bse"
+    T = q.shape[1]
+    scores = torch.einsum(f"bthd,{k_sub}->bhts", q, k) * scale  # [B, H, T, T]
+    pos = torch.arange(T, device=q.device)
+    causal = pos[None] <= pos[:, None]
+    if near is not None:
+        recent = causal & (pos[:, None] - pos[None] < window)
+        scores = torch.where(recent, torch.einsum(f"bthd,{k_sub}->bhts", q, near[0]) * scale, scores)
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    if near is None:
+        return torch.einsum(f"bhts,{v_sub}->bthe", probs, v)
+    return torch.einsum(f"bhts,{v_sub}->bthe", probs * ~recent, v) + torch.einsum(
+        f"bhts,{v_sub}->bthe", probs * recent, near[1]
+    )
 
 
 class MLP(nn.Module):
@@ -483,7 +517,7 @@ class MLAModel(nn.Module):
                 rows = latent_rows(i, layer.self_attn.latent(x, cos, sin))
                 if isinstance(rows, tuple):
                     rows, near = rows
-            h = layer._mlp(h + layer.self_attn.forward_expanded(x, cos, sin, rows, near, window))
+            h = layer._mlp(h + layer.self_attn.forward_sequence(x, cos, sin, rows, near, window))
         return self.lm_head(self.norm(h)).float()
 
     @torch.no_grad()
@@ -521,7 +555,7 @@ def hadamard_rotation(signs: torch.Tensor) -> torch.Tensor:
     return signs.float()[:, None] * h / math.sqrt(n)
 
 
-def _shallow(module: nn.Module) -> nn.Module:
+def shallow_copy(module: nn.Module) -> nn.Module:
     new = copy.copy(module)
     new._modules = dict(module._modules)
     new._parameters = dict(module._parameters)
@@ -535,13 +569,13 @@ def with_latent_rotation(model: MLAModel, rotations: dict[int, torch.Tensor]) ->
     W_UK and W_UV are folded with R (kv_b_proj.weight·R), so absorbed decode reads rotated rows at no
     extra cost; only the cache write multiplies by R. Shares every other parameter with `model`.
     """
-    new = _shallow(model)
+    new = shallow_copy(model)
     layers = []
     for i, layer in enumerate(model.layers):
         rot = rotations.get(i)
         if rot is not None:
-            layer = _shallow(layer)
-            attn = _shallow(layer.self_attn)
+            layer = shallow_copy(layer)
+            attn = shallow_copy(layer.self_attn)
             kv_b = nn.Linear(attn.kv_b_proj.in_features, attn.kv_b_proj.out_features, bias=False)
             kv_b.weight = nn.Parameter(attn.kv_b_proj.weight @ rot.to(attn.kv_b_proj.weight), requires_grad=False)
             attn.kv_b_proj = kv_b.to(attn.kv_b_proj.weight.device)

@@ -14,7 +14,8 @@ never read.
 
 Backends (`Backend`): "torch" is the FP32 reference in this file; "triton" is
 `mlaquant.kernels.mla_decode.mla_decode` (same signature without `backend`), on CUDA or on CPU under
-TRITON_INTERPRET=1; "auto" picks triton for CUDA tensors when the kernel imports, else torch.
+TRITON_INTERPRET=1; "auto" picks triton for CUDA tensors when the kernel imports and reads the codec
+(fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), else torch.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ from torch import Tensor
 from mlaquant.codecs import LayerCodec
 from mlaquant.errors import BackendError
 
-KERNEL_MODULE = "mlaquant.kernels.mla_decode"
+# op -> (module, function) of its Triton implementation
+KERNELS = {
+    "mla_decode": ("mlaquant.kernels.mla_decode", "mla_decode"),
+    "int8_gemm": ("mlaquant.kernels.int8_gemm", "int8_gemm"),
+}
 
 
 class Backend(str, enum.Enum):
@@ -44,20 +49,21 @@ def _triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _load_kernel():
-    """The Triton decode kernel function, or raise BackendError saying why it cannot be loaded."""
+def _load_kernel(op: str = "mla_decode"):
+    """The Triton function of `op` (a key of KERNELS), or raise BackendError saying why it cannot be loaded."""
+    module_name, name = KERNELS[op]
     try:
-        module = importlib.import_module(KERNEL_MODULE)
+        module = importlib.import_module(module_name)
     except ImportError as e:
-        raise BackendError(f"backend 'triton': cannot import {KERNEL_MODULE} ({e})") from e
-    kernel = getattr(module, "mla_decode", None)
+        raise BackendError(f"backend 'triton': cannot import {module_name} ({e})") from e
+    kernel = getattr(module, name, None)
     if kernel is None:
-        raise BackendError(f"backend 'triton': {KERNEL_MODULE} has no function mla_decode")
+        raise BackendError(f"backend 'triton': {module_name} has no function {name}")
     return kernel
 
 
-def resolve_backend(backend: str | Backend, device: torch.device | str) -> str:
-    """'torch' or 'triton' for tensors on `device`; an explicit backend that cannot run → BackendError."""
+def resolve_backend(backend: str | Backend, device: torch.device | str, op: str = "mla_decode") -> str:
+    """'torch' or 'triton' for `op` on tensors on `device`; an explicit backend that cannot run → BackendError."""
     try:
         backend = Backend(backend)
     except ValueError:
@@ -70,7 +76,7 @@ def resolve_backend(backend: str | Backend, device: torch.device | str) -> str:
         if device.type != "cuda":
             return Backend.TORCH.value
         try:
-            _load_kernel()
+            _load_kernel(op)
         except BackendError:
             return Backend.TORCH.value
         return Backend.TRITON.value
@@ -78,7 +84,7 @@ def resolve_backend(backend: str | Backend, device: torch.device | str) -> str:
         raise BackendError("backend 'triton' on CPU needs TRITON_INTERPRET=1 (or use backend 'torch')")
     if device.type not in ("cpu", "cuda"):
         raise BackendError(f"backend 'triton' does not run on device '{device.type}' (use backend 'torch')")
-    _load_kernel()
+    _load_kernel(op)
     return Backend.TRITON.value
 
 
@@ -104,6 +110,12 @@ def _check_args(q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, 
         raise ValueError(f"mla_decode: q, pool, block_table, seq_lens must share a device, got {devices}")
 
 
+def _kernel_reads(codec: LayerCodec, device: torch.device) -> bool:
+    """Whether the Triton kernel takes this codec on `device` ("auto" sends the others to torch)."""
+    module = importlib.import_module(KERNELS["mla_decode"][0])
+    return module.supports(codec, on_gpu=device.type == "cuda") is None
+
+
 def mla_decode(
     q: Tensor,
     pool: Tensor,
@@ -124,7 +136,9 @@ def mla_decode(
     lse [B, H] float32 (natural-log log-sum-exp of the scaled scores).
     """
     _check_args(q, pool, block_table, seq_lens, codec, d_c)
-    if resolve_backend(backend, q.device) == Backend.TRITON.value:
+    if resolve_backend(backend, q.device) == Backend.TRITON.value and (
+        Backend(backend) is not Backend.AUTO or _kernel_reads(codec, q.device)
+    ):
         return _load_kernel()(q, pool, block_table, seq_lens, codec, d_c, scale)
     return mla_decode_reference(q, pool, block_table, seq_lens, codec, d_c, scale)
 

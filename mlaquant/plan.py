@@ -18,10 +18,7 @@ names (e.g. "int4-g32/int8-g32"); they fit any model and carry no fingerprint.
 from __future__ import annotations
 
 import dataclasses
-import os
 import platform
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -29,6 +26,7 @@ import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from mlaquant.atomic import atomic_directory
 from mlaquant.codecs import CodecError, CodecSpec, LayerCodec, bits_per_value
 from mlaquant.config import from_dict, to_dict
 from mlaquant.errors import MLAQuantError, PlanError
@@ -50,6 +48,8 @@ class LayerPlan:
     loss: float | None = None
     # guard bound: the worst per-row relative error seen on calibration rows
     max_rel_error: float | None = None
+    # absorbed projections (q_nope·W_UK, W_UV, o_proj) as W8A8 GEMMs (mlaquant.int8_proj)
+    int8_matmul: bool = False
     note: str = ""
 
     @property
@@ -73,25 +73,33 @@ class Plan:
 
     @classmethod
     def uniform(cls, name: str, num_layers: int) -> Plan:
-        """The same codec in every layer: 'fp16', 'int8', 'int4', ... or '<ckv>/<kpe>', optionally with a
-        residual FP16 window of R tokens as '+w<R>' (e.g. 'int4+w64')."""
-        name, _, win = name.partition("+w")
-        window = int(win) if win.isdigit() else None
-        if win and window is None:
-            raise CodecError(f"window suffix '+w{win}' must be an integer number of tokens")
+        """The same codec in every layer: 'fp16', 'int8', 'int4', ... or '<ckv>/<kpe>', with optional
+        suffixes '+w<R>' (a residual FP16 window of R tokens, e.g. 'int4+w64') and '+i8mm' (W8A8 absorbed
+        projections, e.g. 'int4+i8mm')."""
+        name, *suffixes = name.split("+")
+        window, int8_matmul = 0, False
+        for suffix in suffixes:
+            if suffix == "i8mm":
+                int8_matmul = True
+            elif suffix.startswith("w") and suffix[1:].isdigit():
+                window = int(suffix[1:])
+            else:
+                raise CodecError(f"unknown plan suffix '+{suffix}' (use '+w<R>' for a window of R tokens, '+i8mm')")
         ckv, _, kpe = name.partition("/")
         kpe = kpe or ckv
         for n in (ckv, kpe):
             CodecSpec.parse(n)
-        layers = [LayerPlan(CodecSpec.parse(ckv).name, CodecSpec.parse(kpe).name) for _ in range(num_layers)]
-        return cls(layers=layers, window=window or 0)
+        ckv, kpe = CodecSpec.parse(ckv).name, CodecSpec.parse(kpe).name
+        layers = [LayerPlan(ckv, kpe, int8_matmul=int8_matmul) for _ in range(num_layers)]
+        return cls(layers=layers, window=window)
 
     @property
     def name(self) -> str:
-        names = {lp.codec_name for lp in self.layers}
+        names = {(lp.codec_name, lp.int8_matmul) for lp in self.layers}
         if len(names) != 1 or self.fingerprint:
             return "calibrated"
-        return names.pop() + (f"+w{self.window}" if self.window else "")
+        codec, int8_matmul = names.pop()
+        return codec + (f"+w{self.window}" if self.window else "") + ("+i8mm" if int8_matmul else "")
 
     def layer_codec(self, i: int, d_c: int, d_r: int, ckv: str | None = None, kpe: str | None = None) -> LayerCodec:
         """Layer i's codec (optionally with other codec names but the same calibrated clip ranges)."""
@@ -108,10 +116,14 @@ class Plan:
             if lp.rotate
         }
 
-    def apply(self, model):
-        """The model this plan's cache rows belong to (rotated layers folded in; else `model` itself)."""
+    def apply(self, model, backend: str = "auto"):
+        """The model this plan's cache rows belong to: rotated layers folded in, `int8_matmul` layers with
+        W8A8 absorbed projections on `backend` (`model` itself when the plan needs neither)."""
+        from mlaquant.int8_proj import with_int8_projections
+
         rotations = self.rotations()
-        return with_latent_rotation(model, rotations) if rotations else model
+        model = with_latent_rotation(model, rotations) if rotations else model
+        return with_int8_projections(model, [i for i, lp in enumerate(self.layers) if lp.int8_matmul], backend)
 
     def layer_codecs(self, d_c: int, d_r: int) -> list[LayerCodec]:
         return [self.layer_codec(i, d_c, d_r) for i in range(len(self.layers))]
@@ -136,27 +148,14 @@ class Plan:
 
     def save(self, out_dir: str | Path) -> Path:
         """Write plan.yaml + scales.safetensors atomically into out_dir (replacing an old plan there)."""
-        out_dir = Path(out_dir)
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
-        try:
+        with atomic_directory(out_dir) as tmp:
             meta = to_dict(self)
             meta.pop("tensors")
             meta["versions"] = {**self.versions, **library_versions()}
             (tmp / "plan.yaml").write_text(yaml.safe_dump(meta, sort_keys=False, width=110))
             tensors = {k: v.detach().float().contiguous().cpu() for k, v in self.tensors.items()}
             save_file(tensors, str(tmp / "scales.safetensors"), metadata={"format": "mlaquant-plan"})
-            if out_dir.exists():
-                old = out_dir.with_name(f".{out_dir.name}.old")
-                os.replace(out_dir, old)
-                os.replace(tmp, out_dir)
-                shutil.rmtree(old)
-            else:
-                os.replace(tmp, out_dir)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-        return out_dir
+        return Path(out_dir)
 
     @classmethod
     def load(cls, plan_dir: str | Path) -> Plan:

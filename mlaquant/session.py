@@ -99,8 +99,8 @@ class DecodeSession:
         guard=None,
     ) -> None:
         self.plan = resolve_plan(plan, model)
-        self.model = self.plan.apply(model)
         self.backend = ops.resolve_backend(backend, model.device)
+        self.model = self.plan.apply(model, self.backend)
         self.runtime = load_runtime_config(runtime)
         self.guard = guard
         cfg = model.cfg

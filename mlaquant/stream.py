@@ -42,16 +42,14 @@ from torch import nn
 
 from mlaquant.calib.observers import LatentObserver, LatentStats
 from mlaquant.codecs import LayerCodec
-from mlaquant.errors import CheckpointError, MLAQuantError
-from mlaquant.eval import EvalResult, Scores, fake_quant_hook
+from mlaquant.errors import CheckpointError
+from mlaquant.eval import EvalResult, Evaluator, Scores, fake_quant_hook
 from mlaquant.loader import (
-    _deinterleave_rope,
-    _expert_tensor,
-    _hf_name,
     _TensorReader,
     _weight_files,
     default_model_path,
     read_config,
+    read_parameter,
 )
 from mlaquant.model import DecoderLayer, MLAModel, RMSNorm, RotaryEmbedding, with_latent_rotation
 
@@ -213,20 +211,7 @@ class StreamedModel:
         cfg = self.cfg
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             name = "embed_tokens.weight"
-        prefix, _, leaf = name.rpartition(".")
-        if leaf in ("w_gate", "w_up", "w_down"):
-            experts, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
-            t = _expert_tensor(reader, _hf_name(prefix), leaf, experts, inter)
-            hf = f"{_hf_name(prefix)}.experts.*.{leaf[2:]}_proj.weight"
-        else:
-            hf = _hf_name(name)
-            t = reader.get(hf)
-            if cfg.rope_interleave:
-                t = _deinterleave_rope(cfg, name, t)
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{self.path}: tensor '{hf}' has shape {tuple(t.shape)}, expected {tuple(shape)} from config.json"
-            )
+        t = read_parameter(reader, cfg, name, shape, self.path)
         return t.to(dtype=self.dtype if t.is_floating_point() else t.dtype)
 
     def _load(self, module: nn.Module, prefix: str) -> nn.Module:
@@ -345,22 +330,15 @@ def observe_streamed(
     return observer.stats
 
 
-class StreamedEvaluator:
+class StreamedEvaluator(Evaluator):
     """`Evaluator` (mlaquant.eval) for a `StreamedModel`: same samples, same batches, same metrics.
 
     Keeps the FP16-cache reference's per-layer inputs and log-probabilities in the model's spill pool.
     """
 
-    def __init__(self, model: StreamedModel, samples: torch.Tensor, batch_size: int = 8, progress=None) -> None:
-        if samples.dim() != 2 or samples.shape[1] < 2:
-            raise MLAQuantError(f"evaluation samples must be [N, T ≥ 2], got {list(samples.shape)}")
-        self.model = model
-        self.samples = samples
-        self.batches = list(samples.split(batch_size))
-        d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-        self.fp16 = [LayerCodec.from_names("fp16", "fp16", d_c, d_r) for _ in model.layers]
+    def _reference(self, progress) -> float:
         self.ref_inputs: list[Store] = []
-        self.ref_logp = Store(model.pool)
+        self.ref_logp = Store(self.model.pool)
         nll = [0.0]
 
         def reference(b: int, logits: torch.Tensor) -> None:
@@ -370,9 +348,8 @@ class StreamedEvaluator:
             self.ref_logp.append(logp.half())
 
         hook = fake_quant_hook(self.fp16)
-        model.run(self.batches, hook, layer_inputs=self.ref_inputs, on_logits=reference, progress=progress)
-        self.tokens = samples.shape[0] * (samples.shape[1] - 1)
-        self.ref_nll = nll[0] / self.tokens
+        self.model.run(self.batches, hook, layer_inputs=self.ref_inputs, on_logits=reference, progress=progress)
+        return nll[0]
 
     def evaluate(
         self,

@@ -5,7 +5,8 @@
 
 Rows, all on the same test tokens (`--data`, default the bundled test split — never a split a plan
 was chosen on):
-    ours        uniform codecs from `--codecs` (`<ckv>[/<kpe>]`, names as in `mlaquant.codecs`)
+    ours        uniform codecs from `--codecs` (`<ckv>[/<kpe>]`, names as in `mlaquant.codecs`; a `+i8mm`
+                suffix also runs the absorbed projections in W8A8, `mlaquant.int8_proj`)
     window      `window_codecs` with a residual FP16 window of `window` tokens (`<codec>+w<R>`)
     calibrated  plans from `--plan DIR ...`, or calibrated here at each of `budgets` (bundled
                 calibration / validation splits, sizes from `calibrate:` in configs/sweep.yaml)

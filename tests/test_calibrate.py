@@ -122,3 +122,13 @@ def test_interrupted_save_leaves_no_partial_directory(plan_1pct, tmp_path, monke
     with pytest.raises(KeyboardInterrupt):
         plan_1pct[0].save(tmp_path / "plan")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_int8_matmul_enters_the_search_and_falls_back(bundled):
+    plan, report = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.01, int8_matmul=True), quiet=True)
+    assert report["validation"]["loss"] <= 0.8 * 0.01
+    assert any(lp.int8_matmul for lp in plan.layers)
+    tight, report = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.0001, int8_matmul=True), quiet=True)
+    assert report["validation"]["loss"] <= 0.8 * 0.0001
+    dropped = [f for f in tight.fallbacks if f["from"] == "int8_matmul"]
+    assert dropped and all(not tight.layers[f["layer"]].int8_matmul for f in dropped)

@@ -74,3 +74,28 @@ def test_uniform_plans_are_not_guarded(tiny_model):
     rows = [session.cache.read(i, 0) * 100 for i in range(tiny_model.cfg.num_hidden_layers)]
     session.guard.check(session, rows, "test")
     assert session.fallback_events == []
+
+
+def test_recalibration_widens_only_drifted_channels_of_clipped_layers(tiny_model):
+    cfg = tiny_model.cfg
+    d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    plan = calibrated_plan(tiny_model)
+    for i, lp in enumerate(plan.layers):
+        lp.clip = i == 1  # only layer 1 clips, to ranges far too narrow for channel 3
+        hi = torch.full((d_c + d_r,), 100.0)
+        hi[3] = 1e-3
+        plan.tensors[f"layer{i}.clip_hi"], plan.tensors[f"layer{i}.clip_lo"] = hi, -hi
+    guard = Guard({"recalibrate_every": 4, "check_every": 1000})
+    session = DecodeSession(tiny_model, plan=plan, guard=guard)
+    ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(8))
+    session.prefill(ids[:, :30])
+    before = session.cache.codec(1)
+    for t in range(30, 34):
+        session.decode(ids[:, t])
+    assert [e["layer"] for e in guard.recalibrations] == [1]
+    after = session.cache.codec(1)
+    assert after.name == before.name and after.ckv.clip_hi[3] > 1e-3  # the clipped channel opened up
+    assert torch.equal(after.ckv.clip_hi[4:], before.ckv.clip_hi[4:])  # the others kept their ranges
+    old_rows = session.cache.read(1, 0)[:30]
+    session.decode(ids[:, 34])
+    assert torch.equal(session.cache.read(1, 0)[:30], old_rows)  # stored rows read back unchanged

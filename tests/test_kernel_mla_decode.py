@@ -278,6 +278,26 @@ def test_ops_dispatcher_runs_this_kernel(monkeypatch):
     assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
 
 
+def test_auto_sends_codecs_the_kernel_cannot_read_to_torch(monkeypatch):
+    import mlaquant.ops as ops
+
+    monkeypatch.setattr(ops, "resolve_backend", lambda backend, device, op="mla_decode": "triton")  # as on CUDA
+    q = _query(1, 4, seed=11)
+    for name, reads in (("fp32", False), ("int4-g32", True)):
+        codec = LayerCodec.from_names(name, "fp16", D_C, D_R)
+        assert (K.supports(codec, on_gpu=False) is None) == reads
+        pool, table, lens = build_cache(codec, (40,), seed=11)
+        out, lse = ops_mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend="auto")
+        expect = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE) if reads else mla_decode_reference(
+            q, pool, table, lens, codec, D_C, SCALE
+        )
+        assert torch.equal(out, expect[0]) and torch.equal(lse, expect[1])
+    codec = LayerCodec.from_names("fp32", "fp16", D_C, D_R)
+    pool, table, lens = build_cache(codec, (40,), seed=11)
+    with pytest.raises(BackendError, match="fp32"):  # an explicit "triton" still refuses
+        ops_mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend="triton")
+
+
 def test_bench_refuses_without_cuda(monkeypatch):
     import argparse
 

@@ -64,7 +64,7 @@ def test_absorbed_attention_equals_expanded(make_checkpoint):
     torch.manual_seed(2)
     x = torch.randn(1, 13, model.cfg.hidden_size)
     cos, sin = model.rotary(torch.arange(13)[None], torch.float32)
-    expanded = attn.forward_expanded(x, cos, sin)
+    expanded = attn.forward_sequence(x, cos, sin)
     q = attn.absorbed_query(x, cos, sin)
     rows = attn.latent(x, cos, sin)
     absorbed = attn.output_from_latent(latent_attention(q[0], rows[0], model.cfg.kv_lora_rank, attn.scale)[None])
