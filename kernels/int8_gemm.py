@@ -172,10 +172,18 @@ def _quantize_rows_kernel(
 @triton.jit
 def _gemm_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, extra_ptr, c_ptr, M, N, K,
-    stride_am, stride_bn, stride_em, stride_cm,
+    stride_am, stride_bn, stride_em, stride_cm, stride_sam,
+    stride_ag, stride_bg, stride_sag, stride_sbg, stride_cg,
     HAS_EXTRA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """C[M, N] = (A8 [M, K] · B8[N, K]^T) in INT32, then · s_a[m] · s_b[n] (+ extra) in FP32."""
+    """C[M, N] = (A8 [M, K] · B8[N, K]^T) in INT32, then · s_a[m] · s_b[n] (+ extra) in FP32; program_id(2)
+    picks a group g of a grouped GEMM (every operand offset by its group stride, 0 for a plain GEMM)."""
+    g = tl.program_id(2).to(tl.int64)
+    a_ptr += g * stride_ag
+    b_ptr += g * stride_bg
+    sa_ptr += g * stride_sag
+    sb_ptr += g * stride_sbg
+    c_ptr += g * stride_cg
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -188,7 +196,7 @@ def _gemm_kernel(
         a = tl.load(a_rows + (k0 + rk)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0)
         b = tl.load(b_cols + (k0 + rk)[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0)
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-    sa = tl.load(sa_ptr + rm, mask=m_mask, other=0.0)
+    sa = tl.load(sa_ptr + rm.to(tl.int64) * stride_sam, mask=m_mask, other=0.0)
     sb = tl.load(sb_ptr + rn, mask=n_mask, other=0.0)
     c = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
@@ -267,16 +275,49 @@ def int8_gemm(
     w = w_int8 if w_int8.stride(-1) == 1 else w_int8.contiguous()
     block_m, block_n, block_k, warps = _tiles(x2.shape[0])
     if y.numel():
-        grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n))
+        grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n), 1)
         _gemm_kernel[grid](
             x8, w, sx, w_scale.contiguous(), extra if extra is not None else y, y, x2.shape[0], n, k,
-            x8.stride(0), w.stride(0), extra.stride(0) if extra is not None else 0, y.stride(0),
+            x8.stride(0), w.stride(0), extra.stride(0) if extra is not None else 0, y.stride(0), 1,
+            0, 0, 0, 0, 0,
             HAS_EXTRA=extra is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
         )
     return y.to(out_dtype).reshape(*lead, n)
 
 
+def int8_gemm_grouped(x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: torch.dtype = torch.float16) -> Tensor:
+    """G independent W8A8 GEMMs in one launch (e.g. one per attention head): x [..., G, K] float,
+    w_int8 [G, N, K] int8, w_scale [G, N] fp32 -> y [..., G, N]; y[..., g, :] = int8_gemm(x[..., g, :],
+    w_int8[g], w_scale[g]) (no outlier columns)."""
+    if x.dim() < 2 or w_int8.dim() != 3 or tuple(x.shape[-2:]) != (w_int8.shape[0], w_int8.shape[2]):
+        raise ValueError(f"int8_gemm_grouped: x [..., G, K] and w_int8 [G, N, K] disagree: {list(x.shape)} vs "
+                         f"{list(w_int8.shape)}")
+    if tuple(w_scale.shape) != tuple(w_int8.shape[:2]):
+        raise ValueError(f"int8_gemm_grouped: w_scale must be [G, N] = {list(w_int8.shape[:2])}, got "
+                         f"{list(w_scale.shape)}")
+    if w_int8.shape[0]:
+        _check(x[..., 0, :], w_int8[0], w_scale[0], out_dtype, None)
+    interpreted = _device_check(x)
+    lead, (groups, k), n = x.shape[:-2], x.shape[-2:], w_int8.shape[1]
+    x8, sx, _ = quantize_rows(x.reshape(-1, k))  # rows m·G + g
+    m = x8.shape[0] // groups
+    store_dtype = torch.float32 if interpreted and out_dtype == torch.bfloat16 else out_dtype
+    y = torch.empty(m, groups, n, dtype=store_dtype, device=x.device)
+    w = w_int8.contiguous()
+    ws = w_scale.contiguous()
+    block_m, block_n, block_k, warps = _tiles(m)
+    if y.numel():
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), groups)
+        _gemm_kernel[grid](
+            x8, w, sx, ws, y, y, m, n, k,
+            groups * k, k, 0, groups * n, groups,
+            k, n * k, 1, n, n,
+            HAS_EXTRA=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        )
+    return y.to(out_dtype).reshape(*lead, groups, n)
+
+
 __all__ = [
-    "int8_gemm", "int8_gemm_reference", "int8_gemm_error_bound", "quantize_weight_per_channel",
-    "quantize_activation", "quantize_rows", "OUT_DTYPES",
+    "int8_gemm", "int8_gemm_grouped", "int8_gemm_reference", "int8_gemm_error_bound",
+    "quantize_weight_per_channel", "quantize_activation", "quantize_rows", "OUT_DTYPES",
 ]

@@ -20,8 +20,8 @@ kv_b_proj. One product's error bound is `int8_gemm`'s (its docstring); the effec
 like a cache codec's: by the calibration search (`int8_matmul` in configs/calibrate.yaml, which turns it
 off again layer by layer while the plan is over budget) and by the sweep.
 
-Backends: "torch" sums the INT8 products exactly in FP64, batched over heads; "triton" runs `int8_gemm`
-once per head (CUDA, or CPU under TRITON_INTERPRET=1); "auto" picks triton on CUDA.
+Backends: "torch" sums the INT8 products exactly in FP64, batched over heads; "triton" runs every head in
+one launch (`int8_gemm_grouped`; CUDA, or CPU under TRITON_INTERPRET=1); "auto" picks triton on CUDA.
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ def grouped_int8_matmul(x: Tensor, w_int8: Tensor, w_scale: Tensor, backend: str
     (FP32 for other dtypes)."""
     out_dtype = x.dtype if x.dtype in OUT_DTYPES else torch.float32
     lead, (g, k) = x.shape[:-2], x.shape[-2:]
-    if ops.resolve_backend(backend, x.device, "int8_gemm") == ops.Backend.TRITON.value:
-        kernel = ops._load_kernel("int8_gemm")
-        return torch.stack([kernel(x[..., i, :], w_int8[i], w_scale[i], out_dtype) for i in range(g)], dim=-2)
+    if ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.TRITON.value:
+        return ops.load_kernel("int8_gemm_grouped")(x, w_int8, w_scale, out_dtype)
     x8, sx, _ = quantize_activation(x.reshape(-1, k))
     acc = torch.einsum("mgk,gnk->mgn", x8.view(-1, g, k).double(), w_int8.double()).float()  # exact sums
     y = acc * sx.view(-1, g, 1) * w_scale

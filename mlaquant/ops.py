@@ -34,6 +34,7 @@ from mlaquant.errors import BackendError
 KERNELS = {
     "mla_decode": ("mlaquant.kernels.mla_decode", "mla_decode"),
     "int8_gemm": ("mlaquant.kernels.int8_gemm", "int8_gemm"),
+    "int8_gemm_grouped": ("mlaquant.kernels.int8_gemm", "int8_gemm_grouped"),
 }
 
 
@@ -49,7 +50,7 @@ def _triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _load_kernel(op: str = "mla_decode"):
+def load_kernel(op: str = "mla_decode"):
     """The Triton function of `op` (a key of KERNELS), or raise BackendError saying why it cannot be loaded."""
     module_name, name = KERNELS[op]
     try:
@@ -76,7 +77,7 @@ def resolve_backend(backend: str | Backend, device: torch.device | str, op: str 
         if device.type != "cuda":
             return Backend.TORCH.value
         try:
-            _load_kernel(op)
+            load_kernel(op)
         except BackendError:
             return Backend.TORCH.value
         return Backend.TRITON.value
@@ -84,7 +85,7 @@ def resolve_backend(backend: str | Backend, device: torch.device | str, op: str 
         raise BackendError("backend 'triton' on CPU needs TRITON_INTERPRET=1 (or use backend 'torch')")
     if device.type not in ("cpu", "cuda"):
         raise BackendError(f"backend 'triton' does not run on device '{device.type}' (use backend 'torch')")
-    _load_kernel(op)
+    load_kernel(op)
     return Backend.TRITON.value
 
 
@@ -139,7 +140,7 @@ def mla_decode(
     if resolve_backend(backend, q.device) == Backend.TRITON.value and (
         Backend(backend) is not Backend.AUTO or _kernel_reads(codec, q.device)
     ):
-        return _load_kernel()(q, pool, block_table, seq_lens, codec, d_c, scale)
+        return load_kernel()(q, pool, block_table, seq_lens, codec, d_c, scale)
     return mla_decode_reference(q, pool, block_table, seq_lens, codec, d_c, scale)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +88,21 @@ def tiny_model(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     build_hf_model(3, q_lora_rank=None).save_pretrained(path)
     return load_model(path)
+
+
+# dimensions of the tiny synthetic checkpoints written by scripts/make_synthetic_checkpoint.py
+SYNTH_DIMS = dict(
+    hidden=48, heads=4, kv_lora_rank=32, rope_dim=8, nope_dim=12, v_dim=12, q_lora_rank=24,
+    intermediate=64, experts=4, moe_intermediate=16,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def synthetic():
+    """write(path, layers, **overrides) → a checkpoint dir from scripts/make_synthetic_checkpoint.py with
+    SYNTH_DIMS (overrides: shards, seed, dtype, any dimension)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_synthetic_checkpoint", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return lambda path, layers, **kw: module.write_checkpoint(path, **{**SYNTH_DIMS, "layers": layers, **kw})

@@ -10,7 +10,6 @@ Pinned from the engines (compressed-tensors 0.20 and vLLM's CompressedTensorsKVC
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -31,23 +30,12 @@ from mlaquant.loader import load_model
 from mlaquant.plan import LayerPlan, Plan
 from mlaquant.stream import StreamedEvaluator, StreamedModel
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_checkpoint.py"
-TINY = dict(
-    layers=3, hidden=48, heads=4, kv_lora_rank=32, rope_dim=8, nope_dim=12, v_dim=12, q_lora_rank=24,
-    intermediate=64, experts=4, moe_intermediate=16,
-)  # fmt: skip
-
-
-def synthetic():
-    spec = importlib.util.spec_from_file_location("make_synthetic_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+D_C, D_R = 32, 8  # kv_lora_rank, rope_dim of conftest.SYNTH_DIMS
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return synthetic().write_checkpoint(tmp_path_factory.mktemp("synth") / "m", shards=2, **TINY)
+def ckpt(tmp_path_factory, synthetic) -> Path:
+    return synthetic(tmp_path_factory.mktemp("synth") / "m", 3, shards=2)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +83,7 @@ def test_export_round_trip(ckpt, fp8_plan, tmp_path, capsys):
     assert _export(fp8_plan, ckpt, out) == 0
     assert "exported to" in capsys.readouterr().out
     plan = Plan.load(fp8_plan)
-    n, d_c, d_r = len(plan.layers), TINY["kv_lora_rank"], TINY["rope_dim"]
+    n, d_c, d_r = len(plan.layers), D_C, D_R
 
     # scale tensors: names, shapes, dtypes, values = absmax of the calibrated latent range / 448
     scales = []
@@ -194,7 +182,7 @@ def test_integer_layers_refused_by_name_or_mapped_with_measured_loss(ckpt, fp8_p
 def test_rotated_layers_refused(ckpt, fp8_plan, tmp_path):
     plan = Plan.load(fp8_plan)
     plan.layers[1].rotate = True
-    plan.tensors["layer1.rotation_signs"] = torch.ones(TINY["kv_lora_rank"])
+    plan.tensors["layer1.rotation_signs"] = torch.ones(D_C)
     rotated = plan.save(tmp_path / "rot")
     with pytest.raises(PlanError, match="layers 1 cache a Hadamard-rotated latent"):
         _run_export(rotated, ckpt, tmp_path / "o", map_to_fp8=True)
@@ -222,11 +210,11 @@ def test_export_over_budget_is_refused_unless_forced(ckpt, fp8_plan, tmp_path, m
     assert _run_export(tight, ckpt, tmp_path / "o", force=True)["measured"]["exported"] == measured
 
 
-def test_plan_model_mismatch_and_bad_outputs(ckpt, fp8_plan, tmp_path):
-    other = synthetic().write_checkpoint(tmp_path / "other", shards=2, seed=1, **TINY)
+def test_plan_model_mismatch_and_bad_outputs(ckpt, fp8_plan, tmp_path, synthetic):
+    other = synthetic(tmp_path / "other", 3, shards=2, seed=1)
     with pytest.raises(PlanError, match="calibrated for another model"):
         _run_export(fp8_plan, other, tmp_path / "o")
-    deeper = synthetic().write_checkpoint(tmp_path / "deeper", shards=2, **{**TINY, "layers": 4})
+    deeper = synthetic(tmp_path / "deeper", 4, shards=2)
     with pytest.raises(PlanError, match="plan has 3 layers, model has 4"):
         _run_export(fp8_plan, deeper, tmp_path / "o")
     with pytest.raises(MLAQuantError, match="overlaps"):

@@ -32,13 +32,17 @@ def test_grouped_matmul_is_int8_gemm_per_group():
         assert (ref.reshape(-1, 24) - exact).abs().max() > 1e-4  # it really is quantized
 
 
-def test_triton_grouped_matmul_matches_torch():
-    w8, ws = quantize_grouped(_weights(2, 32, 48, seed=2))
-    x = torch.randn(3, 2, 48, generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(
-        grouped_int8_matmul(x, w8, ws, backend="triton"), grouped_int8_matmul(x, w8, ws, backend="torch"),
-        rtol=1e-6, atol=1e-6,
-    )
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_triton_grouped_matmul_is_one_int8_gemm_per_group(out_dtype):
+    from mlaquant.kernels.int8_gemm import int8_gemm
+
+    w8, ws = quantize_grouped(_weights(3, 40, 48, seed=2))
+    x = (torch.randn(2, 5, 3, 48, generator=torch.Generator().manual_seed(3)) * 2).to(out_dtype)
+    y = grouped_int8_matmul(x, w8, ws, backend="triton")  # one launch, heads on the grid's third axis
+    assert y.shape == (2, 5, 3, 40) and y.dtype == out_dtype
+    for g in range(3):
+        assert torch.equal(y[:, :, g], int8_gemm(x[:, :, g], w8[g], ws[g], out_dtype))
+    torch.testing.assert_close(y, grouped_int8_matmul(x, w8, ws, backend="torch"), rtol=1e-6, atol=1e-6)
 
 
 def test_projections_track_the_fp32_ones(tiny_model):

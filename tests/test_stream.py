@@ -7,7 +7,6 @@ layers with per-expert tensors, interleaved RoPE), in BF16 and in FP8 with 128×
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -27,25 +26,13 @@ from mlaquant.model import hadamard_rotation, hadamard_signs, with_latent_rotati
 from mlaquant.plan import Plan
 from mlaquant.stream import StreamedEvaluator, StreamedModel, observe_streamed
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_checkpoint.py"
-TINY = dict(
-    layers=4, hidden=48, heads=4, kv_lora_rank=32, rope_dim=8, nope_dim=12, v_dim=12, q_lora_rank=24,
-    intermediate=64, experts=4, moe_intermediate=16,
-)  # fmt: skip
+LAYERS = 4
 CALIBRATE_YAML = "samples: 8\nseq_len: 32\nval_samples: 4\ntest_samples: 4\nbatch_size: 3\n"
 
 
-def synthetic():
-    """The checkpoint script as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("make_synthetic_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return synthetic().write_checkpoint(tmp_path_factory.mktemp("synth") / "bf16", shards=3, **TINY)
+def ckpt(tmp_path_factory, synthetic) -> Path:
+    return synthetic(tmp_path_factory.mktemp("synth") / "bf16", LAYERS, shards=3)
 
 
 def test_synthetic_checkpoint_is_sharded_deepseek_v3(ckpt):
@@ -103,11 +90,10 @@ def test_streamed_evaluator_spilled_to_disk_and_rotated_equals_evaluator(ckpt):
     assert list(files.iterdir()) == []
 
 
-def test_fp8_block_scaled_synthetic_matches_its_bf16_source(tmp_path):
-    synth = synthetic()
-    dims = {**TINY, "hidden": 160, "q_lora_rank": 136}  # blocks of 128 with ragged edges
-    bf16 = synth.write_checkpoint(tmp_path / "bf16", shards=2, **dims)
-    fp8 = synth.write_checkpoint(tmp_path / "fp8", shards=2, dtype="fp8", **dims)
+def test_fp8_block_scaled_synthetic_matches_its_bf16_source(tmp_path, synthetic):
+    dims = {"hidden": 160, "q_lora_rank": 136}  # blocks of 128 with ragged edges
+    bf16 = synthetic(tmp_path / "bf16", LAYERS, shards=2, **dims)
+    fp8 = synthetic(tmp_path / "fp8", LAYERS, shards=2, dtype="fp8", **dims)
     a, b = load_model(bf16), load_model(fp8)
     index = json.loads((fp8 / "model.safetensors.index.json").read_text())["weight_map"]
     quantized = 0
@@ -120,7 +106,7 @@ def test_fp8_block_scaled_synthetic_matches_its_bf16_source(tmp_path):
         scale = max(_max_scale_inv(fp8, index, k) for k in index if k.endswith("weight_scale_inv"))
         assert ((wa - wb).abs() <= wa.abs() * (1 / 16 + 2**-8) + scale * 2**-10).all(), name
         assert (wa - wb).norm() / wa.norm() < 0.04, name
-    assert quantized >= 5 * TINY["layers"]
+    assert quantized >= 5 * LAYERS
     assert StreamedModel(fp8).fingerprint() == b.fingerprint() != a.fingerprint()
 
 
