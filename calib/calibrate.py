@@ -13,6 +13,10 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
 4. verify    the whole plan on validation; while over `headroom × budget`, fall back layer by layer —
              the layer with the largest single-layer loss moves to its next wider candidate (e.g.
              INT4 → INT8 → FP16) — and record why.
+   narrow    the search's sum of single-layer losses is only an estimate: while measured loss is
+             left under the target, try cheaper candidates (most bytes saved per single-layer loss
+             added first; never a layer that fell back), each verified end to end on validation,
+             and keep those that stay under `headroom × budget` (at most `narrow_trials` checks).
    int8      with `int8_matmul`, every layer's absorbed projections (q_nope·W_UK, W_UV, o_proj) go
              W8A8 on top of the verified cache plan; while the plan is over `headroom × budget`, the
              layer whose projections cost most alone (validation loss, FP16 cache) goes back to FP
@@ -66,11 +70,14 @@ class CalibrateConfig:
     try_clip: bool = True
     try_rotation: bool = True
     int8_matmul: bool = False
+    narrow_trials: int = 8
     candidates: tuple = (
         "int4-row/int4-row",
-        "int4-row/int4-g32",
+        "int4-row/int4-row-asym",
         "int4-g64/int4-g32",
         "int4-g32/int4-g32",
+        "int4-g32/int4-row-asym",
+        "int4-row/int8-row",
         "int4-g32/int8-g32",
         "int8-g64/int8-g32",
         "fp16/fp16",
@@ -199,14 +206,15 @@ def search(table: list[list[Choice]], target: float) -> list[int]:
     return pick
 
 
-def int8_matmul_costs(model: MLAModel, evaluator: Evaluator, progress) -> list[float]:
+def int8_matmul_costs(model: MLAModel, evaluator: Evaluator, progress=None) -> list[float]:
     """Per layer, the validation loss with only that layer's absorbed projections in W8A8 (FP16 cache)."""
     n = len(model.layers)
     costs = []
     for i in range(n):
         m = with_int8_projections(model, [i])
         costs.append(evaluator.evaluate([None] * n, first_layer=i, model=m, loss_only=True).loss)
-        progress.update(1)
+        if progress is not None:
+            progress.update(1)
     return costs
 
 
@@ -234,6 +242,20 @@ def add_int8_matmul(
         log.info("fallback: layer %d int8_matmul → fp matmul", i)
         result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
     return result
+
+
+def narrowing_moves(table: list[list[Choice]], pick: list[int], frozen: set[int]) -> list[tuple[int, int]]:
+    """(layer, cheaper candidate index) pairs outside `frozen` layers, most bytes saved per single-layer loss
+    added first."""
+    moves = []
+    for i, p in enumerate(pick):
+        if i in frozen:
+            continue
+        for q in range(p):
+            saved = table[i][p].row_bytes - table[i][q].row_bytes
+            if saved > 0:
+                moves.append((saved / max(table[i][q].loss - table[i][p].loss, 1e-9), i, q))
+    return [(i, q) for _, i, q in sorted(moves, reverse=True)]
 
 
 def max_row_error(rows: torch.Tensor, codec: LayerCodec) -> float:
@@ -280,7 +302,7 @@ def calibrate(
             int8_costs = int8_matmul_costs(model, evaluator, bar)
     target = cfg.headroom * cfg.budget
     pick = search(table, target)
-    fallbacks = []
+    fallbacks, notes = [], {}
 
     def build() -> Plan:
         layers, tensors = [], {}
@@ -294,7 +316,7 @@ def calibrate(
             rows = v.rows[ch.rotate]
             tensors[f"layer{i}.range_lo"], tensors[f"layer{i}.range_hi"] = rows.min(0).values, rows.max(0).values
             err = max_row_error(rows, v.codec(ch.name, ch.clip, ch.rotate, d_c, d_r))
-            layers.append(LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.loss, err))
+            layers.append(LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.loss, err, note=notes.get(i, "")))
         return Plan(layers=layers, fingerprint=model.fingerprint(), budget=cfg.budget, tensors=tensors)
 
     plan = build()
@@ -315,6 +337,26 @@ def calibrate(
             }
         )
         log.info("fallback: layer %d %s → %s", i, old.name, new.name)
+        plan = build()
+        result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
+    trials, frozen = 0, {f["layer"] for f in fallbacks}
+    while trials < cfg.narrow_trials:
+        for i, q in narrowing_moves(table, pick, frozen):
+            old, pick[i] = pick[i], q
+            trial = build()
+            measured = evaluator.evaluate(trial.layer_codecs(d_c, d_r), model=applied(trial, model), loss_only=True)
+            trials += 1
+            if measured.loss <= target:
+                log.info("narrowed: layer %d %s → %s", i, table[i][old].name, table[i][q].name)
+                loss = f"plan validation loss {measured.loss:.4%} ≤ {target:.4%}"
+                notes[i] = f"narrowed from {table[i][old].name}: {loss}"
+                break
+            pick[i] = old
+            if trials >= cfg.narrow_trials:
+                break
+        else:
+            break  # no cheaper candidate keeps the plan under the target
+    if trials:
         plan = build()
         result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
     if cfg.int8_matmul:

@@ -1,7 +1,7 @@
 """Does the guard's clip-range re-estimation (`recalibrate_every`) help? Step-decode held-out text through a
 calibrated plan with it off and on, and compare perplexity against the FP16 cache on the same tokens.
 
-    python scripts/measure_recalibration.py --plan plans/default [--samples 8 --seq-len 1024 --every 64]
+    python scripts/measure_recalibration.py --plan plans/default [--clip-all] [--samples 8 --seq-len 1024 --every 64]
 
 Every sequence is prefilled with its first `--prefill` tokens, then decoded teacher-forced one token at a
 time (the guard sees every new row), so each later token's NLL comes from the quantized cache as it is
@@ -23,6 +23,7 @@ from tqdm import tqdm
 from mlaquant import DecodeSession, load_model
 from mlaquant.calib.data import split_path, token_samples
 from mlaquant.guard import Guard
+from mlaquant.plan import Plan
 
 
 def decode_nll(model, plan, ids: torch.Tensor, prefill: int, guard: Guard | None) -> tuple[float, int]:
@@ -45,17 +46,26 @@ def main() -> None:
     p.add_argument("--prefill", type=int, default=64)
     p.add_argument("--every", type=int, default=64, help="recalibrate_every for the 'on' row")
     p.add_argument("--rows", type=int, default=512, help="recalibrate_rows for the 'on' row")
+    p.add_argument(
+        "--clip-all",
+        action="store_true",
+        help="clip every layer to its calibrated ranges (re-estimation only acts on clipped layers)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
     model = load_model(args.model)
     eos = model.cfg.eos_token_id
     ids = token_samples(model.tokenizer, split_path("test"), args.samples, args.seq_len, 2, eos)
+    plan = Plan.load(args.plan)
+    if args.clip_all:
+        for lp in plan.layers:
+            lp.clip = True
     runs = {
         "fp16 cache": ("fp16", None),
-        "plan, guard (recalibration off)": (args.plan, Guard({"recalibrate_every": 0})),
+        "plan, guard (recalibration off)": (plan, Guard({"recalibrate_every": 0})),
         f"plan, guard + recalibrate every {args.every}": (
-            args.plan,
+            plan,
             Guard({"recalibrate_every": args.every, "recalibrate_rows": args.rows}),
         ),
     }

@@ -10,7 +10,7 @@ import torch
 
 from mlaquant import DecodeSession, load_model
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
-from mlaquant.calib.data import token_samples
+from mlaquant.calib.data import split_path, token_samples
 from mlaquant.config import ConfigError
 from mlaquant.errors import MLAQuantError
 from mlaquant.plan import Plan
@@ -125,10 +125,34 @@ def test_interrupted_save_leaves_no_partial_directory(plan_1pct, tmp_path, monke
 
 
 def test_int8_matmul_enters_the_search_and_falls_back(bundled):
+    from mlaquant.calib.calibrate import add_int8_matmul, int8_matmul_costs
+    from mlaquant.eval import Evaluator
+
     plan, report = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.01, int8_matmul=True), quiet=True)
     assert report["validation"]["loss"] <= 0.8 * 0.01
     assert any(lp.int8_matmul for lp in plan.layers)
-    tight, report = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.0001, int8_matmul=True), quiet=True)
-    assert report["validation"]["loss"] <= 0.8 * 0.0001
-    dropped = [f for f in tight.fallbacks if f["from"] == "int8_matmul"]
-    assert dropped and all(not tight.layers[f["layer"]].int8_matmul for f in dropped)
+    # over a target no plan can meet, every layer goes back to FP matmuls, costliest first, each recorded
+    n = bundled.cfg.num_hidden_layers
+    ev = Evaluator(bundled, token_samples(bundled.tokenizer, split_path("validation"), 4, 64, 0, 0))
+    costs = int8_matmul_costs(bundled, ev)
+    fallbacks = []
+    plan = Plan.uniform("fp16", n)
+    add_int8_matmul(plan, bundled, ev, costs, -1.0, fallbacks)
+    assert not any(lp.int8_matmul for lp in plan.layers)
+    assert [f["layer"] for f in fallbacks] == sorted(range(n), key=costs.__getitem__, reverse=True)
+    assert all(f["from"] == "int8_matmul" for f in fallbacks)
+
+
+def test_narrowing_moves_rank_bytes_saved_per_loss_added():
+    from mlaquant.calib.calibrate import Choice, narrowing_moves
+
+    row = lambda *losses: [Choice(f"c{b}", False, False, b, loss) for b, loss in zip((84, 90, 106, 320), losses)]
+    table = [row(0.004, 0.002, 0.001, 0.0), row(0.0002, 0.0001, 0.00005, 0.0), row(0.01, 0.001, 0.0, 0.0)]
+    pick = [2, 2, 3]
+    moves = narrowing_moves(table, pick, frozen={2})
+    assert {i for i, _ in moves} == {0, 1}  # the frozen (fallen-back) layer is never narrowed
+    assert moves[0] == (1, 1)  # 16 bytes saved for +0.00005: the least loss added per byte saved
+    ratios = [(table[i][pick[i]].row_bytes - table[i][q].row_bytes) / (table[i][q].loss - table[i][pick[i]].loss)
+              for i, q in moves]  # fmt: skip
+    assert ratios == sorted(ratios, reverse=True)
+    assert all(q < pick[i] for i, q in moves)
