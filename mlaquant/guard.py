@@ -22,8 +22,9 @@ new range is the union of the current one and the (1 − percentile, percentile)
 so a channel that drifts past its calibrated range stops being clipped while the calibrated clipping of
 the others stays. Integer codecs store each row's scales, so only rows written afterwards change (static
 FP8 parts, whose scale the reader needs, are left alone). Events go to `guard.recalibrations`.
-It is off by default: `scripts/measure_recalibration.py` measures it, and on the bundled model it did
-not help (README, "Runtime guard").
+It is off by default; `scripts/measure_recalibration.py` measures it: on the bundled model, with every
+layer clipped and sequences twice the training length, it takes the loss from +5.5 % to +0.2 %
+(README, "Runtime guard").
 """
 
 from __future__ import annotations
