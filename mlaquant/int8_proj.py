@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from mlaquant import ops
-from mlaquant.kernels.int8_gemm import OUT_DTYPES, quantize_activation, quantize_weight_per_channel
+from mlaquant.int8_quant import OUT_DTYPES, quantize_activation, quantize_weight_per_channel
 from mlaquant.model import MLAAttention, MLAModel, shallow_copy
 
 
