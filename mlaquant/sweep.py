@@ -71,13 +71,15 @@ class SweepConfig:
         "int4-g32-asym",
         "int4-g32/int8-g32",
         "int4-g32/fp16",
+        "int8-row+i8mm",
+        "int4-row+i8mm",
     )
     window: int = 128
     window_codecs: tuple = ("int4-g32", "int4-g32/int8-g32")
     budgets: tuple = (0.005, 0.01, 0.02)
     target_budget: float = 0.01
     calibrate: dict = dataclasses.field(
-        default_factory=lambda: {"samples": 64, "seq_len": 512, "val_samples": 16}
+        default_factory=lambda: {"samples": 64, "seq_len": 512, "val_samples": 32}
     )
     calibration_data: str | None = None
     validation_data: str | None = None
