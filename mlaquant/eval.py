@@ -141,8 +141,12 @@ class Evaluator:
         model = self.model if model is None else model
         hook_codecs = [c if c is not None else f for c, f in zip(codecs, self.fp16)]
         scores = Scores()
+        self._score(model, hook_codecs, first_layer, window, scores, loss_only)
+        return scores.result(self.tokens, self.ref_nll, loss_only)
+
+    def _score(self, model, hook_codecs: list[LayerCodec], first_layer: int, window: int, scores, loss_only) -> None:
+        """Run every batch from `first_layer` with the latents through `hook_codecs`, adding to `scores`."""
         for ids, ref_logp, inputs in zip(self.batches, self.ref_logp, self.ref_inputs):
             hook = fake_quant_hook(hook_codecs, window)
             logits = model(ids, hook, start_layer=first_layer, hidden=inputs[first_layer], window=window)[:, :-1]
             scores.add(logits, ids, None if loss_only else ref_logp)
-        return scores.result(self.tokens, self.ref_nll, loss_only)

@@ -43,7 +43,7 @@ from torch import nn
 from mlaquant.calib.observers import LatentObserver, LatentStats
 from mlaquant.codecs import LayerCodec
 from mlaquant.errors import CheckpointError
-from mlaquant.eval import EvalResult, Evaluator, Scores, fake_quant_hook
+from mlaquant.eval import Evaluator, fake_quant_hook
 from mlaquant.loader import (
     _TensorReader,
     _weight_files,
@@ -351,19 +351,8 @@ class StreamedEvaluator(Evaluator):
         self.model.run(self.batches, hook, layer_inputs=self.ref_inputs, on_logits=reference, progress=progress)
         return nll[0]
 
-    def evaluate(
-        self,
-        codecs: list[LayerCodec | None],
-        first_layer: int = 0,
-        model: StreamedModel | None = None,
-        window: int = 0,
-        loss_only: bool = False,
-    ) -> EvalResult:
-        """`Evaluator.evaluate` over the streamed model (or `model`, e.g. `StreamedModel.rotated`); same
-        arguments, same numbers (`loss_only`: KL and top-1 skipped, reported as NaN)."""
-        model = self.model if model is None else model
-        hook_codecs = [c if c is not None else f for c, f in zip(codecs, self.fp16)]
-        scores = Scores()
+    def _score(self, model, hook_codecs: list[LayerCodec], first_layer: int, window: int, scores, loss_only) -> None:
+        """`Evaluator._score` layer-major over the streamed model (or `model`, e.g. `StreamedModel.rotated`)."""
 
         def score(b: int, logits: torch.Tensor) -> None:
             scores.add(logits[:, :-1], self.batches[b], None if loss_only else self.ref_logp[b])
@@ -376,4 +365,3 @@ class StreamedEvaluator(Evaluator):
             window=window,
             on_logits=score,
         )
-        return scores.result(self.tokens, self.ref_nll, loss_only)
