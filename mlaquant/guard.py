@@ -91,8 +91,8 @@ class Guard:
         keep = self.config.recalibrate_rows
         for recent, r in zip(self.recent, rows):
             recent.append(r.detach().float().reshape(-1, r.shape[-1]))
-            latest = torch.cat(recent)[-keep:]
-            recent[:] = [latest]
+            if sum(t.shape[0] for t in recent) > 2 * keep:  # trim now and then, not a copy every step
+                recent[:] = [torch.cat(recent)[-keep:]]
 
     def recalibrate(self, session, when: str) -> None:
         """Widen each clipped layer's clip range to cover its recent rows' quantiles (module docstring)."""
@@ -102,7 +102,8 @@ class Guard:
             if not recent or any(p.clip_lo is None or p.spec.is_static_fp8 for p in parts):
                 continue
             lo_now, hi_now = (torch.cat([getattr(p, k) for p in parts]) for k in ("clip_lo", "clip_hi"))
-            lo_new, hi_new = percentile_bounds(recent[0], self.config.percentile)
+            latest = torch.cat(recent)[-self.config.recalibrate_rows :]
+            lo_new, hi_new = percentile_bounds(latest, self.config.percentile)
             lo, hi = torch.minimum(lo_now, lo_new.cpu()), torch.maximum(hi_now, hi_new.cpu())
             widened = int(((lo < lo_now) | (hi > hi_now)).sum())
             if not widened:
