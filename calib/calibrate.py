@@ -5,8 +5,8 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
 1. observe   calibration split, `samples` × `seq_len` tokens → per-layer, per-channel ranges of the
              latent rows (min/max and the `percentile` quantile) and a row subsample.
 2. measure   validation split: for every layer and candidate codec the loss with only that layer
-             quantized, in the variant (clipped to the calibrated ranges or not, Hadamard-rotated
-             or not) with the lowest row error on the calibration rows.
+             quantized, in the variant (clipped to the calibrated ranges or not; c_kv and k_pe each
+             Hadamard-rotated or not) with the lowest row error on the calibration rows.
 3. search    every layer starts at its cheapest candidate; while the summed single-layer losses
              exceed `headroom × budget`, upgrade the layer/candidate with the best loss saved per
              byte added.
@@ -48,7 +48,7 @@ from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.errors import MLAQuantError
 from mlaquant.eval import EvalResult, Evaluator
 from mlaquant.int8_proj import with_int8_projections
-from mlaquant.model import MLAModel, hadamard_rotation, hadamard_signs, with_latent_rotation
+from mlaquant.model import MLAModel, hadamard_signs, latent_rotation, with_latent_rotation
 from mlaquant.plan import LayerPlan, Plan
 from mlaquant.stream import StreamedEvaluator, StreamedModel, observe_streamed
 
@@ -103,27 +103,37 @@ class Choice:
 
     name: str
     clip: bool
-    rotate: bool
+    rotate: bool  # c_kv Hadamard-rotated
+    rotate_rope: bool  # k_pe (and q_pe) Hadamard-rotated after RoPE
     row_bytes: int
     loss: float
 
 
 class LayerVariants:
-    """One layer's cached rows as observed, plain and Hadamard-rotated: samples, ranges, rotation."""
+    """One layer's cached rows as observed, with each part plain or Hadamard-rotated: samples, ranges.
 
-    def __init__(self, stats: LatentStats, d_c: int, percentile: float, seed: int, rotate: bool) -> None:
-        self.rows = {False: stats.sample()}
-        self.signs = None
-        if rotate:
-            self.signs = hadamard_signs(d_c, seed)
-            rot = hadamard_rotation(self.signs)
-            plain = self.rows[False]
-            self.rows[True] = torch.cat((plain[:, :d_c] @ rot, plain[:, d_c:]), dim=1)
-        self.bounds = {r: percentile_bounds(rows, percentile) for r, rows in self.rows.items()}
+    Variants are keyed (rotate c_kv, rotate k_pe); a part rotates only if its width is a power of two.
+    """
 
-    def codec(self, name: str, clip: bool, rotate: bool, d_c: int, d_r: int) -> LayerCodec:
+    def __init__(self, stats: LatentStats, d_c: int, d_r: int, percentile: float, seed: int, rotate: bool) -> None:
+        plain = stats.sample()
+        pow2 = lambda n: n & (n - 1) == 0
+        self.signs = hadamard_signs(d_c, seed) if rotate and pow2(d_c) else None
+        self.rope_signs = hadamard_signs(d_r, seed + 7919) if rotate and pow2(d_r) else None
+        self.rows = {}
+        for rot_c in (False, True) if self.signs is not None else (False,):
+            for rot_r in (False, True) if self.rope_signs is not None else (False,):
+                r = latent_rotation(self.signs if rot_c else None, self.rope_signs if rot_r else None, d_c, d_r)
+                self.rows[rot_c, rot_r] = plain if not (rot_c or rot_r) else plain @ r
+        self.bounds = {k: percentile_bounds(rows, percentile) for k, rows in self.rows.items()}
+
+    def rotation(self, rotate: bool, rotate_rope: bool, d_c: int, d_r: int) -> torch.Tensor:
+        """The [d_c + d_r, d_c + d_r] rotation of variant (rotate, rotate_rope)."""
+        return latent_rotation(self.signs if rotate else None, self.rope_signs if rotate_rope else None, d_c, d_r)
+
+    def codec(self, name: str, clip: bool, variant: tuple[bool, bool], d_c: int, d_r: int) -> LayerCodec:
         ckv, kpe = name.split("/")
-        lo, hi = self.bounds[rotate] if clip else (None, None)
+        lo, hi = self.bounds[variant] if clip else (None, None)
         return LayerCodec.from_names(ckv, kpe, d_c, d_r, lo, hi)
 
 
@@ -134,24 +144,30 @@ def rotated(model: MLAModel | StreamedModel, rotations: dict[int, torch.Tensor])
 
 def applied(plan: Plan, model: MLAModel | StreamedModel) -> MLAModel | StreamedModel:
     """`plan.apply(model)` for a loaded or a layer-streamed model."""
-    return model.rotated(plan.rotations()) if isinstance(model, StreamedModel) else plan.apply(model)
+    if isinstance(model, StreamedModel):
+        return model.rotated(plan.rotations(model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim))
+    return plan.apply(model)
 
 
 def layer_variants(model: MLAModel, stats: list[LatentStats], cfg: CalibrateConfig) -> list[LayerVariants]:
-    d_c = model.cfg.kv_lora_rank
-    rotate = cfg.try_rotation and d_c & (d_c - 1) == 0
-    return [LayerVariants(s, d_c, cfg.percentile, cfg.seed + i, rotate) for i, s in enumerate(stats)]
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    return [LayerVariants(s, d_c, d_r, cfg.percentile, cfg.seed + i, cfg.try_rotation) for i, s in enumerate(stats)]
 
 
-def best_variant(v: LayerVariants, name: str, try_clip: bool, d_c: int, d_r: int) -> tuple[bool, bool]:
-    """(rotate, clip) with the lowest mean relative row error on the calibration rows.
+PROXY_ROWS = 16384
 
-    Rotation is orthogonal, so the relative error of a row is comparable with and without it; this
-    cheap proxy picks the variant, and only that variant's loss is measured on validation.
+
+def best_variant(v: LayerVariants, name: str, try_clip: bool, d_c: int, d_r: int) -> tuple[bool, bool, bool]:
+    """(rotate, rotate_rope, clip) with the lowest mean relative row error on the calibration rows.
+
+    Rotations are orthogonal, so the relative error of a row is comparable with and without them;
+    this cheap proxy (on at most `PROXY_ROWS` evenly strided rows) picks the variant, and only that
+    variant's loss is measured on validation.
     """
+    stride = max(1, v.rows[False, False].shape[0] // PROXY_ROWS)
     errors = {
-        (rotate, clip): v.codec(name, clip, rotate, d_c, d_r).relative_error(v.rows[rotate])
-        for rotate in v.rows
+        (*variant, clip): v.codec(name, clip, variant, d_c, d_r).relative_error(v.rows[variant][::stride])
+        for variant in v.rows
         for clip in ((False, True) if try_clip else (False,))
     }
     return min(errors, key=errors.get)
@@ -167,19 +183,21 @@ def measure_layers(
     for i, v in enumerate(variants):
         choices = []
         for name in cfg.candidates:
-            row_bytes = v.codec(name, False, False, d_c, d_r).row_bytes
+            row_bytes = v.codec(name, False, (False, False), d_c, d_r).row_bytes
             if name == "fp16/fp16":
-                choices.append(Choice(name, False, False, row_bytes, 0.0))
+                choices.append(Choice(name, False, False, False, row_bytes, 0.0))
                 continue
-            rotate, clip = best_variant(v, name, cfg.try_clip, d_c, d_r)
-            m = rotated(model, {i: hadamard_rotation(v.signs)}) if rotate else model
+            rotate, rotate_rope, clip = best_variant(v, name, cfg.try_clip, d_c, d_r)
+            rot = v.rotation(rotate, rotate_rope, d_c, d_r)
+            m = rotated(model, {i: rot}) if rotate or rotate_rope else model
             codecs = [None] * n
-            codecs[i] = v.codec(name, clip, rotate, d_c, d_r)
+            codecs[i] = v.codec(name, clip, (rotate, rotate_rope), d_c, d_r)
             choices.append(
                 Choice(
                     name,
                     clip,
                     rotate,
+                    rotate_rope,
                     row_bytes,
                     evaluator.evaluate(codecs, first_layer=i, model=m, loss_only=True).loss,
                 )
@@ -309,14 +327,19 @@ def calibrate(
         for i, p in enumerate(pick):
             ch, v = table[i][p], variants[i]
             ckv, kpe = ch.name.split("/")
-            lo, hi = v.bounds[ch.rotate]
+            variant = (ch.rotate, ch.rotate_rope)
+            lo, hi = v.bounds[variant]
             tensors[f"layer{i}.clip_lo"], tensors[f"layer{i}.clip_hi"] = lo, hi
             if ch.rotate:
                 tensors[f"layer{i}.rotation_signs"] = v.signs
-            rows = v.rows[ch.rotate]
+            if ch.rotate_rope:
+                tensors[f"layer{i}.rope_rotation_signs"] = v.rope_signs
+            rows = v.rows[variant]
             tensors[f"layer{i}.range_lo"], tensors[f"layer{i}.range_hi"] = rows.min(0).values, rows.max(0).values
-            err = max_row_error(rows, v.codec(ch.name, ch.clip, ch.rotate, d_c, d_r))
-            layers.append(LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.loss, err, note=notes.get(i, "")))
+            err = max_row_error(rows, v.codec(ch.name, ch.clip, variant, d_c, d_r))
+            layers.append(
+                LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.rotate_rope, ch.loss, err, note=notes.get(i, ""))
+            )
         return Plan(layers=layers, fingerprint=model.fingerprint(), budget=cfg.budget, tensors=tensors)
 
     plan = build()
@@ -393,15 +416,16 @@ def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     fp16 = (d_c + d_r) * 2
     lines = [
-        "| layer | c_kv | k_pe | clip | rotate | int8 matmul | bytes/token | vs FP16 | val loss (layer alone) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| layer | c_kv | k_pe | clip | rotate c_kv | rotate k_pe | int8 matmul | bytes/token | vs FP16 "
+        "| val loss (layer alone) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, lp in enumerate(plan.layers):
         rb = plan.layer_codec(i, d_c, d_r).row_bytes
-        flags = " | ".join("yes" if f else "no" for f in (lp.clip, lp.rotate, lp.int8_matmul))
+        flags = " | ".join("yes" if f else "no" for f in (lp.clip, lp.rotate, lp.rotate_rope, lp.int8_matmul))
         lines.append(f"| {i} | {lp.ckv} | {lp.kpe} | {flags} | {rb} | {fp16 / rb:.2f}× | {lp.loss:+.3%} |")
     total = plan.bytes_per_token(d_c, d_r)
-    lines.append(f"| all | | | | | | {total} | {fp16 * len(plan.layers) / total:.2f}× | |")
+    lines.append(f"| all | | | | | | | {total} | {fp16 * len(plan.layers) / total:.2f}× | |")
     out = "\n".join(lines)
     for split in ("validation", "test"):
         if split in report:

@@ -75,7 +75,7 @@ class LayerExport:
 
 def engine_scales(plan: Plan, d_c: int, d_r: int, map_to_fp8: bool) -> list[LayerExport]:
     """Per layer, the static-fp8 scale the engine will use; PlanError for what cannot be exported."""
-    rotated = [i for i, lp in enumerate(plan.layers) if lp.rotate]
+    rotated = [i for i, lp in enumerate(plan.layers) if lp.rotate or lp.rotate_rope]
     if rotated:
         raise PlanError(
             f"layers {_layer_list(rotated)} cache a Hadamard-rotated latent, which vLLM/SGLang cannot "

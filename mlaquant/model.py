@@ -240,6 +240,8 @@ class MLAAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         # orthogonal [d_c, d_c] applied to c_kv before it is cached; kv_b_proj then holds W·R
         self.latent_rotation: torch.Tensor | None = None
+        # orthogonal [d_r, d_r] applied to both q_pe and k_pe after RoPE (every score q_pe·k_pe unchanged)
+        self.rope_rotation: torch.Tensor | None = None
         # W8A8 absorbed projections (mlaquant.int8_proj.Int8Projections) when a plan turns on int8_matmul
         self.int8 = None
 
@@ -249,7 +251,8 @@ class MLAAttention(nn.Module):
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)  # [B, T, H, d_n + d_r]
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        return q_nope, apply_rope(q_pe, cos, sin)
+        q_pe = apply_rope(q_pe, cos, sin)
+        return q_nope, q_pe if self.rope_rotation is None else q_pe @ self.rope_rotation
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] → cache rows [B, T, d_c + d_r] = [normed c_kv | rotated k_pe]."""
@@ -257,7 +260,10 @@ class MLAAttention(nn.Module):
         c_kv = self.kv_a_layernorm(c_kv)
         if self.latent_rotation is not None:
             c_kv = c_kv @ self.latent_rotation
-        return torch.cat((c_kv, apply_rope(k_pe, cos, sin)), dim=-1)
+        k_pe = apply_rope(k_pe, cos, sin)
+        if self.rope_rotation is not None:
+            k_pe = k_pe @ self.rope_rotation
+        return torch.cat((c_kv, k_pe), dim=-1)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, d_n, d_c] and W_UV [H, d_v, d_c] (views of kv_b_proj.weight)."""
@@ -563,23 +569,46 @@ def shallow_copy(module: nn.Module) -> nn.Module:
     return new
 
 
-def with_latent_rotation(model: MLAModel, rotations: dict[int, torch.Tensor]) -> MLAModel:
-    """A model computing the same function whose layer i caches c_kv·R_i (exact in real arithmetic).
+def latent_rotation(
+    ckv_signs: torch.Tensor | None, rope_signs: torch.Tensor | None, d_c: int, d_r: int
+) -> torch.Tensor:
+    """Block-diagonal orthogonal R [d_c + d_r, d_c + d_r] = diag(R_c, R_r) for `with_latent_rotation`:
+    `hadamard_rotation` of each part's signs, the identity for a part without signs."""
+    r_c = torch.eye(d_c) if ckv_signs is None else hadamard_rotation(ckv_signs)
+    r_r = torch.eye(d_r) if rope_signs is None else hadamard_rotation(rope_signs)
+    return torch.block_diag(r_c, r_r)
 
-    W_UK and W_UV are folded with R (kv_b_proj.weight·R), so absorbed decode reads rotated rows at no
-    extra cost; only the cache write multiplies by R. Shares every other parameter with `model`.
+
+def with_latent_rotation(model: MLAModel, rotations: dict[int, torch.Tensor]) -> MLAModel:
+    """A model computing the same function whose layer i caches rows·R_i (exact in real arithmetic).
+
+    R_i = diag(R_c, R_r) [d_c + d_r, d_c + d_r] block-diagonal orthogonal (`latent_rotation`). R_c is
+    folded into W_UK and W_UV (kv_b_proj.weight·R_c), so absorbed decode reads rotated c_kv at no extra
+    cost; only the cache write multiplies by R_c. RoPE sits between the weights and k_pe / q_pe, so R_r
+    cannot be folded: both are multiplied by R_r after RoPE (q_pe·R_r · k_pe·R_r = q_pe · k_pe), a
+    d_r × d_r product per query head and per written row. An identity block is skipped. Shares every
+    other parameter with `model`.
     """
     new = shallow_copy(model)
     layers = []
     for i, layer in enumerate(model.layers):
         rot = rotations.get(i)
         if rot is not None:
+            d_c, d_r = layer.self_attn.cfg.kv_lora_rank, layer.self_attn.cfg.qk_rope_head_dim
+            if tuple(rot.shape) != (d_c + d_r, d_c + d_r):
+                want = [d_c + d_r] * 2
+                raise ValueError(f"layer {i}: latent rotation must be {want}, got {list(rot.shape)}")
             layer = shallow_copy(layer)
             attn = shallow_copy(layer.self_attn)
-            kv_b = nn.Linear(attn.kv_b_proj.in_features, attn.kv_b_proj.out_features, bias=False)
-            kv_b.weight = nn.Parameter(attn.kv_b_proj.weight @ rot.to(attn.kv_b_proj.weight), requires_grad=False)
-            attn.kv_b_proj = kv_b.to(attn.kv_b_proj.weight.device)
-            attn.latent_rotation = rot.to(device=kv_b.weight.device, dtype=kv_b.weight.dtype)
+            w = attn.kv_b_proj.weight
+            r_c, r_r = rot[:d_c, :d_c].to(w), rot[d_c:, d_c:].to(w)
+            if not torch.equal(r_c, torch.eye(d_c, dtype=w.dtype, device=w.device)):
+                kv_b = nn.Linear(attn.kv_b_proj.in_features, attn.kv_b_proj.out_features, bias=False)
+                kv_b.weight = nn.Parameter(w @ r_c, requires_grad=False)
+                attn.kv_b_proj = kv_b.to(w.device)
+                attn.latent_rotation = r_c
+            if not torch.equal(r_r, torch.eye(d_r, dtype=w.dtype, device=w.device)):
+                attn.rope_rotation = r_r
             layer.self_attn = attn
         layers.append(layer)
     new.layers = nn.ModuleList(layers)

@@ -7,8 +7,9 @@ A plan directory holds two files, written atomically (temp dir, then rename):
     scales.safetensors  per-layer tensors: `layer{i}.clip_lo` / `layer{i}.clip_hi` [d_c + d_r] float32
                         (calibrated per-channel clip ranges of the cached rows), `layer{i}.range_lo`
                         / `range_hi` (observed min / max, for the runtime guard) and, for rotated layers,
-                        `layer{i}.rotation_signs` [d_c] (R = diag(signs)·H/√d_c, see
-                        `mlaquant.model.with_latent_rotation`) — quantization parameters live here,
+                        `layer{i}.rotation_signs` [d_c] (c_kv·R_c, R_c = diag(signs)·H/√d_c) and / or
+                        `layer{i}.rope_rotation_signs` [d_r] (k_pe·R_r and q_pe·R_r after RoPE), see
+                        `mlaquant.model.with_latent_rotation` — quantization parameters live here,
                         never in file names
 
 Uniform plans need no calibration: "fp32", "bf16", "fp16", "int8", "int4", or "<ckv>/<kpe>" codec
@@ -30,7 +31,7 @@ from mlaquant.atomic import atomic_directory
 from mlaquant.codecs import CodecError, CodecSpec, LayerCodec, bits_per_value
 from mlaquant.config import from_dict, to_dict
 from mlaquant.errors import MLAQuantError, PlanError
-from mlaquant.model import hadamard_rotation, with_latent_rotation
+from mlaquant.model import latent_rotation, with_latent_rotation
 
 PLAN_VERSION = 1
 
@@ -44,6 +45,8 @@ class LayerPlan:
     clip: bool = False
     # c_kv cached as c_kv·R (Hadamard with the stored signs), R folded into W_UK / W_UV
     rotate: bool = False
+    # k_pe and q_pe multiplied by a Hadamard R_r after RoPE (stored signs), scores unchanged
+    rotate_rope: bool = False
     # validation loss increase (relative ppl) with only this layer quantized; None when not measured
     loss: float | None = None
     # guard bound: the worst per-row relative error seen on calibration rows
@@ -108,12 +111,18 @@ class Plan:
         hi = self.tensors.get(f"layer{i}.clip_hi") if lp.clip else None
         return LayerCodec.from_names(ckv or lp.ckv, kpe or lp.kpe, d_c, d_r, lo, hi)
 
-    def rotations(self) -> dict[int, torch.Tensor]:
-        """Layer → [d_c, d_c] rotation for the layers that rotate their latent."""
+    def rotations(self, d_c: int, d_r: int) -> dict[int, torch.Tensor]:
+        """Layer → [d_c + d_r, d_c + d_r] block-diagonal rotation for the layers that rotate a part."""
+        t = self.tensors
         return {
-            i: hadamard_rotation(self.tensors[f"layer{i}.rotation_signs"])
+            i: latent_rotation(
+                t[f"layer{i}.rotation_signs"] if lp.rotate else None,
+                t[f"layer{i}.rope_rotation_signs"] if lp.rotate_rope else None,
+                d_c,
+                d_r,
+            )
             for i, lp in enumerate(self.layers)
-            if lp.rotate
+            if lp.rotate or lp.rotate_rope
         }
 
     def apply(self, model, backend: str = "auto"):
@@ -121,7 +130,7 @@ class Plan:
         W8A8 absorbed projections on `backend` (`model` itself when the plan needs neither)."""
         from mlaquant.int8_proj import with_int8_projections
 
-        rotations = self.rotations()
+        rotations = self.rotations(model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)
         model = with_latent_rotation(model, rotations) if rotations else model
         return with_int8_projections(model, [i for i, lp in enumerate(self.layers) if lp.int8_matmul], backend)
 
@@ -185,7 +194,13 @@ class Plan:
         except (SafetensorError, OSError) as e:
             raise PlanError(f"{scales_file}: corrupt scales file ({e})") from e
         for i, lp in enumerate(layers):
-            for flag, key in ((lp.clip, "clip_hi"), (lp.clip, "clip_lo"), (lp.rotate, "rotation_signs")):
+            needs = (
+                (lp.clip, "clip_hi"),
+                (lp.clip, "clip_lo"),
+                (lp.rotate, "rotation_signs"),
+                (lp.rotate_rope, "rope_rotation_signs"),
+            )
+            for flag, key in needs:
                 if flag and f"layer{i}.{key}" not in plan.tensors:
                     raise PlanError(f"{scales_file}: layer {i} needs tensor 'layer{i}.{key}', which is missing")
         return plan

@@ -179,10 +179,12 @@ def test_integer_layers_refused_by_name_or_mapped_with_measured_loss(ckpt, fp8_p
     assert report["measured"]["exported"] == want
 
 
-def test_rotated_layers_refused(ckpt, fp8_plan, tmp_path):
+@pytest.mark.parametrize("part", ["rotate", "rotate_rope"])
+def test_rotated_layers_refused(ckpt, fp8_plan, tmp_path, part):
     plan = Plan.load(fp8_plan)
-    plan.layers[1].rotate = True
+    setattr(plan.layers[1], part, True)
     plan.tensors["layer1.rotation_signs"] = torch.ones(D_C)
+    plan.tensors["layer1.rope_rotation_signs"] = torch.ones(D_R)
     rotated = plan.save(tmp_path / "rot")
     with pytest.raises(PlanError, match="layers 1 cache a Hadamard-rotated latent"):
         _run_export(rotated, ckpt, tmp_path / "o", map_to_fp8=True)

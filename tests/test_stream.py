@@ -22,7 +22,7 @@ from mlaquant.config import load_config
 from mlaquant.errors import CheckpointError
 from mlaquant.eval import Evaluator
 from mlaquant.loader import load_model
-from mlaquant.model import hadamard_rotation, hadamard_signs, with_latent_rotation
+from mlaquant.model import hadamard_signs, latent_rotation, with_latent_rotation
 from mlaquant.plan import Plan
 from mlaquant.stream import StreamedEvaluator, StreamedModel, observe_streamed
 
@@ -77,7 +77,7 @@ def test_streamed_evaluator_spilled_to_disk_and_rotated_equals_evaluator(ckpt):
     assert ev_stream.ref_nll == ev_full.ref_nll
     assert ev_stream.ref_logp.on_disk == 2 and all(s.on_disk == 2 for s in ev_stream.ref_inputs)
     d_c, d_r = full.cfg.kv_lora_rank, full.cfg.qk_rope_head_dim
-    rot = {2: hadamard_rotation(hadamard_signs(d_c, 7))}
+    rot = {2: latent_rotation(hadamard_signs(d_c, 7), hadamard_signs(d_r, 8), d_c, d_r)}
     codecs = [None, None, Plan.uniform("int4", 1).layer_codec(0, d_c, d_r), None]
     want = ev_full.evaluate(codecs, first_layer=2, model=with_latent_rotation(full, rot))
     got = ev_stream.evaluate(codecs, first_layer=2, model=model.rotated(rot))
