@@ -17,9 +17,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--guard-config",
+        default=None,
+        help="runtime guard YAML (default: configs/guard.yaml); it acts on calibrated plans only",
+    )
+    p.add_argument("--no-guard", action="store_true", help="decode without the runtime guard")
 
 
 def run(args: argparse.Namespace) -> int:
+    from mlaquant.guard import Guard
     from mlaquant.loader import load_model
     from mlaquant.session import generate
 
@@ -29,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = model.tokenizer.encode(args.prompt).ids
     if not prompt:
         raise MLAQuantError("--prompt encodes to no tokens")
+    guard = None if args.no_guard else Guard(args.guard_config)
     start = time.perf_counter()
     new = generate(
         model,
@@ -39,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         plan=args.plan,
         backend=args.backend,
+        guard=guard,
     )[0]
     elapsed = time.perf_counter() - start
     print(args.prompt + model.tokenizer.decode(new))
@@ -46,4 +55,9 @@ def run(args: argparse.Namespace) -> int:
         f"-- {len(new)} tokens in {elapsed:.2f} s: {len(new) / elapsed:.1f} tokens/s "
         f"(prompt {len(prompt)} tokens, plan {args.plan}, incl. prefill)"
     )
+    if guard is not None:
+        print(
+            f"-- guard: {len(guard.fallback_events)} fallback event(s), {len(guard.recalibrations)} clip-range "
+            "re-estimation(s)"
+        )
     return 0

@@ -70,8 +70,10 @@ class Guard:
         self.steps = 0
         self.recent: list[list[torch.Tensor]] = []  # per layer, the latest rows [n, d_c + d_r] (recalibration)
         self.recalibrations: list[dict] = []
+        self.fallback_events: list[dict] = []  # the watched session's `fallback_events` (same list)
 
     def after_prefill(self, session, rows: list[torch.Tensor]) -> None:
+        self.fallback_events = session.fallback_events
         self.recent = [[] for _ in rows]
         self._remember(rows)
         self.check(session, rows, "prefill")

@@ -233,10 +233,12 @@ def generate(
     plan: str | Path | Plan = "fp16",
     backend: str = "auto",
     stop_at_eos: bool = False,
+    guard=None,
 ) -> list[list[int]]:
     """Complete each prompt by `max_new_tokens` tokens (greedy at temperature 0, else nucleus sampling).
 
-    prompt_ids: [T], [B, T] or a list of token lists. Returns the new tokens of each sequence.
+    prompt_ids: [T], [B, T] or a list of token lists. `guard` (e.g. `mlaquant.guard.Guard()`) watches
+    the cache as in `DecodeSession`. Returns the new tokens of each sequence.
     """
     if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
         raise MLAQuantError(
@@ -247,7 +249,7 @@ def generate(
         prompts = prompt_ids.reshape(-1, prompt_ids.shape[-1]).tolist()
     else:
         prompts = [list(prompt_ids)] if prompt_ids and isinstance(prompt_ids[0], int) else [list(p) for p in prompt_ids]
-    session = DecodeSession(model, plan=plan, backend=backend)
+    session = DecodeSession(model, plan=plan, backend=backend, guard=guard)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     logits = session.prefill(prompts)
     last = torch.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)])

@@ -99,3 +99,20 @@ def test_recalibration_widens_only_drifted_channels_of_clipped_layers(tiny_model
     old_rows = session.cache.read(1, 0)[:30]
     session.decode(ids[:, 34])
     assert torch.equal(session.cache.read(1, 0)[:30], old_rows)  # stored rows read back unchanged
+
+
+def test_generate_cli_runs_the_guard(tmp_path, capsys):
+    """`mlaquant generate` attaches a Guard (bounds no row can meet widen every layer after prefill);
+    `--no-guard` decodes without one."""
+    from mlaquant.cli import main
+    from mlaquant.loader import load_model
+
+    model = load_model()
+    n = model.cfg.num_hidden_layers
+    layers = [LayerPlan("int4-row", "int4-row", max_rel_error=1e-9) for _ in range(n)]
+    Plan(layers=layers, fingerprint=model.fingerprint()).save(tmp_path / "plan")
+    args = ["generate", "--prompt", "The cat", "--max-new-tokens", "3", "--plan", str(tmp_path / "plan")]
+    assert main(args) == 0
+    assert f"-- guard: {n} fallback event(s)" in capsys.readouterr().out
+    assert main([*args, "--no-guard"]) == 0
+    assert "-- guard:" not in capsys.readouterr().out
