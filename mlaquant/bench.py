@@ -8,7 +8,10 @@
                             with the same heads, for DeepSeek-V3, V2-Lite and the bundled model
 
 Both caches are filled with the same latent rows (no prefill), then each side decodes `--steps` tokens;
-the median step time is reported.
+the median step time is reported. Each side's MLPs are also timed alone on one token (they do not
+depend on the context), which splits the step into MLP and the rest (attention, its projections, norms,
+lm_head): "without MLP" is the ratio of the rests, and "ceiling" transformers' step over our MLP time —
+the whole-step speed-up ours would reach if everything but the MLP cost nothing.
 """
 
 from __future__ import annotations
@@ -87,6 +90,18 @@ def _time_ours(model, rows: list[torch.Tensor], codec: str, n: int) -> float:
     return _median_step(lambda: session.decode(token), n)
 
 
+def _time_mlps(mlps: list, hidden: int, n: int) -> float:
+    """Median time of one token [1, 1, hidden] through every layer's MLP in turn."""
+    x = torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        with torch.no_grad():
+            for mlp in mlps:
+                mlp(x)
+
+    return _median_step(step, n)
+
+
 def _time_transformers(hf, rows: list[torch.Tensor], d_c: int, n: int) -> float:
     from transformers import DynamicCache
 
@@ -117,7 +132,11 @@ def bench_decode(
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
         ours = load_model(tmp)
-    d_c = V2_LITE_ATTENTION["kv_lora_rank"]
+    d_c, hidden = V2_LITE_ATTENTION["kv_lora_rank"], V2_LITE_ATTENTION["hidden_size"]
+    mlp_s = {
+        "transformers_mlp_s": _time_mlps([layer.mlp for layer in hf.model.layers], hidden, 4 * steps),
+        "ours_mlp_s": _time_mlps([layer.mlp for layer in ours.layers], hidden, 4 * steps),
+    }
     results = []
     for ctx in contexts:
         g = torch.Generator().manual_seed(ctx)
@@ -125,7 +144,13 @@ def bench_decode(
         row = {"context": ctx, "transformers_s": _time_transformers(hf, rows, d_c, steps)}
         for codec in codecs:
             row[f"{codec}_s"] = _time_ours(ours, rows, codec, steps)
-        row["speedup_vs_transformers"] = row["transformers_s"] / row[f"{codecs[0]}_s"]
+        base = row[f"{codecs[0]}_s"]
+        row |= mlp_s
+        row["speedup_vs_transformers"] = row["transformers_s"] / base
+        row["speedup_without_mlp"] = (row["transformers_s"] - mlp_s["transformers_mlp_s"]) / (
+            base - mlp_s["ours_mlp_s"]
+        )
+        row["speedup_ceiling"] = row["transformers_s"] / mlp_s["ours_mlp_s"]
         results.append(row)
         print(format_row(row, codecs), flush=True)
     return results
@@ -134,6 +159,7 @@ def bench_decode(
 def format_header(codecs: list[str]) -> str:
     cols = ["context", "transformers ms/step"] + [f"ours {c} ms/step" for c in codecs]
     cols += [f"{c} / {codecs[0]}" for c in codecs[1:]] + [f"speedup ({codecs[0]} vs transformers)"]
+    cols += ["MLP ms (transformers / ours)", "speedup without MLP", "ceiling (ours' MLP only)"]
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
@@ -143,6 +169,8 @@ def format_row(row: dict, codecs: list[str]) -> str:
     cells += [f"{row[f'{c}_s'] * 1e3:.2f}" for c in codecs]
     cells += [f"{row[f'{c}_s'] / base:.2f}" for c in codecs[1:]]
     cells.append(f"{row['speedup_vs_transformers']:.1f}×")
+    cells.append(f"{row['transformers_mlp_s'] * 1e3:.1f} / {row['ours_mlp_s'] * 1e3:.1f}")
+    cells += [f"{row['speedup_without_mlp']:.1f}×", f"{row['speedup_ceiling']:.1f}×"]
     return "| " + " | ".join(cells) + " |"
 
 
