@@ -8,8 +8,9 @@
                             with the same heads, for DeepSeek-V3, V2-Lite and the bundled model
 
 Both caches are filled with the same latent rows (no prefill), then each side decodes `--steps` tokens;
-the median step time is reported. Each side's MLPs are also timed alone on one token (they do not
-depend on the context), which splits the step into MLP and the rest (attention, its projections, norms,
+the median step time is reported. Steps of all sides are interleaved round by round, so a drift of
+the machine's speed hits every side alike. Each side's MLPs are also timed alone on one token, in the
+same rounds, which splits the step into MLP and the rest (attention, its projections, norms,
 lm_head): "without MLP" is the ratio of the rests, and "ceiling" transformers' step over our MLP time —
 the whole-step speed-up ours would reach if everything but the MLP cost nothing.
 """
@@ -49,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = sub.add_parser("decode", help="decode step time: ours vs transformers (CPU ok)")
     d.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths")
     d.add_argument("--layers", type=int, default=2)
-    d.add_argument("--steps", type=int, default=5, help="timed decode steps per configuration")
+    d.add_argument("--steps", type=int, default=11, help="timed decode steps per configuration (median)")
     d.add_argument("--codecs", default="fp16,int8,int4", help="our cache codecs to time (first is the base)")
     d.add_argument(
         "--intermediate-size",
@@ -67,17 +68,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     k.set_defaults(_kernels=kernel_bench.run)
 
 
-def _median_step(step, n: int) -> float:
-    step()  # warm-up
-    times = []
+def _median_steps(steps: dict, n: int) -> dict:
+    """Median seconds of each named step function over n rounds; each round runs every step once in
+    turn, so a drift of the machine's speed (shared memory bandwidth) hits all sides alike."""
+    for step in steps.values():
+        step()  # warm-up
+    times = {name: [] for name in steps}
     for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _time_ours(model, rows: list[torch.Tensor], codec: str, n: int) -> float:
+def _ours_step(model, rows: list[torch.Tensor], codec: str):
     from mlaquant.cache import LatentCache
     from mlaquant.session import DecodeSession
 
@@ -87,11 +92,11 @@ def _time_ours(model, rows: list[torch.Tensor], codec: str, n: int) -> float:
         session.cache.write(layer, 0, r)
     session.lengths = [rows[0].shape[0]]
     token = torch.tensor([1])
-    return _median_step(lambda: session.decode(token), n)
+    return lambda: session.decode(token)
 
 
-def _time_mlps(mlps: list, hidden: int, n: int) -> float:
-    """Median time of one token [1, 1, hidden] through every layer's MLP in turn."""
+def _mlps_step(mlps: list, hidden: int):
+    """One token [1, 1, hidden] through every layer's MLP in turn."""
     x = torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(0))
 
     def step() -> None:
@@ -99,10 +104,10 @@ def _time_mlps(mlps: list, hidden: int, n: int) -> float:
             for mlp in mlps:
                 mlp(x)
 
-    return _median_step(step, n)
+    return step
 
 
-def _time_transformers(hf, rows: list[torch.Tensor], d_c: int, n: int) -> float:
+def _transformers_step(hf, rows: list[torch.Tensor], d_c: int):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=hf.config)
@@ -116,7 +121,7 @@ def _time_transformers(hf, rows: list[torch.Tensor], d_c: int, n: int) -> float:
             hf(torch.tensor([[1]]), cache=cache, position_ids=pos, use_cache=True)
         length[0] += 1
 
-    return _median_step(step, n)
+    return step
 
 
 def bench_decode(
@@ -133,24 +138,21 @@ def bench_decode(
         hf.save_pretrained(tmp)
         ours = load_model(tmp)
     d_c, hidden = V2_LITE_ATTENTION["kv_lora_rank"], V2_LITE_ATTENTION["hidden_size"]
-    mlp_s = {
-        "transformers_mlp_s": _time_mlps([layer.mlp for layer in hf.model.layers], hidden, 4 * steps),
-        "ours_mlp_s": _time_mlps([layer.mlp for layer in ours.layers], hidden, 4 * steps),
+    mlps = {
+        "transformers_mlp_s": _mlps_step([layer.mlp for layer in hf.model.layers], hidden),
+        "ours_mlp_s": _mlps_step([layer.mlp for layer in ours.layers], hidden),
     }
     results = []
     for ctx in contexts:
         g = torch.Generator().manual_seed(ctx)
         rows = [torch.randn(ctx, d_c + V2_LITE_ATTENTION["qk_rope_head_dim"], generator=g) for _ in range(layers)]
-        row = {"context": ctx, "transformers_s": _time_transformers(hf, rows, d_c, steps)}
-        for codec in codecs:
-            row[f"{codec}_s"] = _time_ours(ours, rows, codec, steps)
+        steps_by_name = {"transformers_s": _transformers_step(hf, rows, d_c)}
+        steps_by_name |= {f"{codec}_s": _ours_step(ours, rows, codec) for codec in codecs}
+        row = {"context": ctx, **_median_steps(steps_by_name | mlps, steps)}
         base = row[f"{codecs[0]}_s"]
-        row |= mlp_s
         row["speedup_vs_transformers"] = row["transformers_s"] / base
-        row["speedup_without_mlp"] = (row["transformers_s"] - mlp_s["transformers_mlp_s"]) / (
-            base - mlp_s["ours_mlp_s"]
-        )
-        row["speedup_ceiling"] = row["transformers_s"] / mlp_s["ours_mlp_s"]
+        row["speedup_without_mlp"] = (row["transformers_s"] - row["transformers_mlp_s"]) / (base - row["ours_mlp_s"])
+        row["speedup_ceiling"] = row["transformers_s"] / row["ours_mlp_s"]
         results.append(row)
         print(format_row(row, codecs), flush=True)
     return results

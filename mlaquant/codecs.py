@@ -365,13 +365,16 @@ class RowCodec:
             raise ValueError(
                 f"codec {self.spec.name}: expected uint8 [..., {self.row_bytes}], got {codes.dtype} {list(codes.shape)}"
             )
+        if self.spec.is_float and self.spec.kind != FP8:
+            try:  # a strided slice of whole rows reinterprets in place; the cast is the only copy
+                vals = codes.view(FLOAT_KINDS[self.spec.kind])
+            except RuntimeError:
+                vals = codes.contiguous().view(FLOAT_KINDS[self.spec.kind])
+            return vals.to(dtype, copy=True)  # never a view of the cache
         lead = codes.shape[:-1]
         codes = codes.reshape(-1, self.row_bytes)
         if self.spec.kind == FP8:
             return self._decode_fp8(codes).to(dtype).reshape(*lead, self.width)
-        if self.spec.is_float:
-            vals = codes.contiguous().view(FLOAT_KINDS[self.spec.kind])
-            return vals.to(dtype, copy=True).reshape(*lead, self.width)  # never a view of the cache
         q = self._unpack(codes[:, : self.code_bytes].contiguous()).view(-1, self.n_groups, self.group_size)
         scale = codes[:, self.scale_offset : self.scale_offset + 2 * self.n_groups].contiguous()
         x = q * scale.view(torch.float16).float().unsqueeze(-1)

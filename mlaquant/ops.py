@@ -171,12 +171,25 @@ def mla_decode_reference(
     if named.numel() and (named.min() < 0 or named.max() >= num_blocks):
         raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
     pages = torch.where(used, pages, 0)
-    raw = pool[pages].reshape(batch, n_pages * block_size, -1)[:, :t_max]  # [B, T, row_bytes]
-    kv = codec.decode(raw).masked_fill(~valid.unsqueeze(-1), 0.0)  # [B, T, d_c + d_r] float32
-    scores = torch.einsum("bhw,btw->bht", q.float(), kv) * scale  # [B, H, T]
+    # whole pages as flat rows of 8-byte words: index_select copies them ~5x faster than pool[pages]
+    page_bytes = block_size * pool.shape[2]
+    flat = pool.reshape(num_blocks, page_bytes)
+    flat = flat.view(torch.int64) if page_bytes % 8 == 0 and flat.is_contiguous() else flat
+    raw = flat.index_select(0, pages.flatten()).view(torch.uint8)
+    raw = raw.view(batch, n_pages * block_size, -1)[:, :t_max]  # [B, T, row_bytes]
+    # the two parts are decoded apart and never concatenated: one less pass over the rows per step
+    c_bytes = codec.ckv.row_bytes
+    c_kv, k_pe = codec.ckv.decode(raw[..., :c_bytes]), codec.kpe.decode(raw[..., c_bytes:])  # float32
+    if min(lens_host) < t_max:
+        c_kv.masked_fill_(~valid.unsqueeze(-1), 0.0)  # undefined slots may decode to NaN / Inf
+        k_pe.masked_fill_(~valid.unsqueeze(-1), 0.0)
+    q = q.float()
+    # rows @ q^T: ~3x faster on CPU than q @ rows^T, which BLAS runs with a transposed large operand
+    scores = torch.matmul(c_kv, q[..., :d_c].transpose(1, 2))  # [B, T, H]
+    scores = scores.add_(torch.matmul(k_pe, q[..., d_c:].transpose(1, 2))).mul_(scale).transpose(1, 2)
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [B, H]
     # an empty sequence has lse = -inf; subtracting 0 instead keeps its probabilities 0, not NaN
     probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
-    out = torch.einsum("bht,btc->bhc", probs, kv[..., :d_c])  # [B, H, d_c]
+    out = torch.matmul(probs, c_kv)  # [B, H, d_c]
     return out, lse
