@@ -207,6 +207,13 @@ def measure_layers(
     return table
 
 
+def describe(c: Choice) -> str:
+    """One measured candidate as a plan.yaml line: codec, bytes, single-layer validation loss, variant."""
+    flags = (("rotated c_kv", c.rotate), ("rotated k_pe", c.rotate_rope), ("clipped", c.clip))
+    variant = [name for name, on in flags if on]
+    return f"{c.name}: {c.row_bytes} B, {c.loss:+.4%}" + (f" ({', '.join(variant)})" if variant else "")
+
+
 def search(table: list[list[Choice]], target: float) -> list[int]:
     """Index of the chosen candidate per layer: cheapest first, greedy upgrades by loss saved per byte."""
     pick = [0] * len(table)
@@ -399,6 +406,7 @@ def calibrate(
         "bytes_per_token_per_layer": plan.bytes_per_token(d_c, d_r) / n_layers,
         "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
         "fp16_bytes_per_token_per_layer": (d_c + d_r) * 2,
+        "candidates": {f"layer{i}": [describe(c) for c in row] for i, row in enumerate(table)},
     }
     plan.settings = {
         **to_dict(cfg),

@@ -35,6 +35,11 @@ def test_plan_is_under_budget_on_validation_and_loads(bundled, plan_1pct, tmp_pa
     fp16 = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * cfg.num_hidden_layers
     assert plan.bytes_per_token(cfg.kv_lora_rank, cfg.qk_rope_head_dim) < fp16 / 2
     plan.save(tmp_path / "plan")
+    # plan.yaml lists every measured candidate per layer; the chosen one with the loss the layer records
+    listed = Plan.load(tmp_path / "plan").metrics["candidates"]
+    for i, lp in enumerate(plan.layers):
+        assert len(listed[f"layer{i}"]) == len(CalibrateConfig().candidates)
+        assert any(line.startswith(f"{lp.codec_name}: ") and f"{lp.loss:+.4%}" in line for line in listed[f"layer{i}"])
     session = DecodeSession(bundled, plan=tmp_path / "plan")
     assert [c.name for c in session.codecs] == [
         c.name for c in Plan.load(tmp_path / "plan").layer_codecs(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
