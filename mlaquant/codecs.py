@@ -353,11 +353,15 @@ class RowCodec:
         return nib[..., 0] | (nib[..., 1] << 4)
 
     def _unpack(self, codes: Tensor) -> Tensor:
-        """Code bytes [N, code_bytes] → float32 codes [N, W] (signed for symmetric)."""
+        """Code bytes [N, code_bytes] (rows may be strided) → float32 codes [N, W] (signed for symmetric),
+        one new tensor: decode scales it in place."""
         if self.spec.kind == "int8":
             return (codes.view(torch.int8) if self.spec.symmetric else codes).float()
-        nib = torch.stack([codes & 0x0F, codes >> 4], dim=-1).view(-1, self.width).float()
-        return nib - 8 if self.spec.symmetric else nib
+        nib = torch.empty(codes.shape[0], self.width // 2, 2)
+        nib[..., 0] = codes & 0x0F
+        nib[..., 1] = codes >> 4
+        nib = nib.view(-1, self.width)
+        return nib.sub_(8) if self.spec.symmetric else nib
 
     def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """uint8 [..., row_bytes] → [..., width] in `dtype` (computed in FP32, then cast)."""
@@ -375,12 +379,12 @@ class RowCodec:
         codes = codes.reshape(-1, self.row_bytes)
         if self.spec.kind == FP8:
             return self._decode_fp8(codes).to(dtype).reshape(*lead, self.width)
-        q = self._unpack(codes[:, : self.code_bytes].contiguous()).view(-1, self.n_groups, self.group_size)
+        x = self._unpack(codes[:, : self.code_bytes]).view(-1, self.n_groups, self.group_size)
         scale = codes[:, self.scale_offset : self.scale_offset + 2 * self.n_groups].contiguous()
-        x = q * scale.view(torch.float16).float().unsqueeze(-1)
+        x.mul_(scale.view(torch.float16).float().unsqueeze(-1))
         if not self.spec.symmetric:
             lo = codes[:, self.zero_offset : self.zero_offset + 2 * self.n_groups].contiguous()
-            x = x + lo.view(torch.float16).float().unsqueeze(-1)
+            x.add_(lo.view(torch.float16).float().unsqueeze(-1))
         return x.view(-1, self.width).to(dtype).reshape(*lead, self.width)
 
     def fake_quant(self, x: Tensor) -> Tensor:
