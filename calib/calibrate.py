@@ -11,8 +11,8 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
              exceed `headroom × budget`, upgrade the layer/candidate with the best loss saved per
              byte added.
 4. verify    the whole plan on validation; while over `headroom × budget`, fall back layer by layer —
-             the layer with the largest single-layer loss moves to its next wider candidate (e.g.
-             INT4 → INT8 → FP16) — and record why.
+             the layer with the largest single-layer loss moves to its next wider candidate that
+             measured a lower loss alone (e.g. INT4 → INT8 → FP16) — and record why.
    narrow    the search's sum of single-layer losses is only an estimate: while measured loss is
              left under the target, try cheaper candidates (most bytes saved per single-layer loss
              added first; never a layer that fell back), each verified end to end on validation,
@@ -269,6 +269,13 @@ def add_int8_matmul(
     return result
 
 
+def wider(row: list[Choice], p: int) -> int:
+    """The fallback from candidate p of a layer's row (sorted by bytes): the next wider candidate that
+    measured a lower single-layer loss, else the last (FP16) — never one that measured worse alone."""
+    last = len(row) - 1
+    return next((q for q in range(p + 1, last) if row[q].loss < row[p].loss), last)
+
+
 def narrowing_moves(table: list[list[Choice]], pick: list[int], frozen: set[int]) -> list[tuple[int, int]]:
     """(layer, cheaper candidate index) pairs outside `frozen` layers, most bytes saved per single-layer loss
     added first."""
@@ -344,9 +351,7 @@ def calibrate(
             rows = v.rows[variant]
             tensors[f"layer{i}.range_lo"], tensors[f"layer{i}.range_hi"] = rows.min(0).values, rows.max(0).values
             err = max_row_error(rows, v.codec(ch.name, ch.clip, variant, d_c, d_r))
-            layers.append(
-                LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.rotate_rope, ch.loss, err, note=notes.get(i, ""))
-            )
+            layers.append(LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.rotate_rope, ch.loss, err, note=notes.get(i, "")))
         return Plan(layers=layers, fingerprint=model.fingerprint(), budget=cfg.budget, tensors=tensors)
 
     plan = build()
@@ -355,7 +360,7 @@ def calibrate(
         movable = [i for i, p in enumerate(pick) if p + 1 < len(table[i])]
         i = max(movable, key=lambda j: table[j][pick[j]].loss)
         old = table[i][pick[i]]
-        pick[i] += 1
+        pick[i] = wider(table[i], pick[i])
         new = table[i][pick[i]]
         fallbacks.append(
             {

@@ -150,6 +150,16 @@ def test_int8_matmul_enters_the_search_and_falls_back(bundled):
     assert all(f["from"] == "int8_matmul" for f in fallbacks)
 
 
+def test_fallback_skips_wider_candidates_that_measured_worse():
+    from mlaquant.calib.calibrate import Choice, wider
+
+    row = [Choice(f"c{i}", False, False, False, b, loss) for i, (b, loss) in enumerate(
+        [(84, 0.0055), (86, 0.0050), (86, 0.0059), (90, 0.0060), (92, 0.0039), (320, 0.0)]
+    )]  # fmt: skip
+    assert [wider(row, p) for p in range(5)] == [1, 4, 4, 4, 5]
+    assert wider([Choice("a", False, False, False, 84, -0.001), *row[3:]], 0) == 3  # nothing better: FP16
+
+
 def test_narrowing_moves_rank_bytes_saved_per_loss_added():
     from mlaquant.calib.calibrate import Choice, narrowing_moves
 
