@@ -119,12 +119,13 @@ class LayerVariants:
         plain = stats.sample()
         pow2 = lambda n: n & (n - 1) == 0
         self.signs = hadamard_signs(d_c, seed) if rotate and pow2(d_c) else None
+        # k_pe's signs from another seed than c_kv's (any fixed one; 7919 is just a prime)
         self.rope_signs = hadamard_signs(d_r, seed + 7919) if rotate and pow2(d_r) else None
         self.rows = {}
         for rot_c in (False, True) if self.signs is not None else (False,):
             for rot_r in (False, True) if self.rope_signs is not None else (False,):
-                r = latent_rotation(self.signs if rot_c else None, self.rope_signs if rot_r else None, d_c, d_r)
-                self.rows[rot_c, rot_r] = plain if not (rot_c or rot_r) else plain @ r
+                rows = plain @ self.rotation(rot_c, rot_r, d_c, d_r) if rot_c or rot_r else plain
+                self.rows[rot_c, rot_r] = rows
         self.bounds = {k: percentile_bounds(rows, percentile) for k, rows in self.rows.items()}
 
     def rotation(self, rotate: bool, rotate_rope: bool, d_c: int, d_r: int) -> torch.Tensor:
