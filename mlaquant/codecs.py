@@ -357,7 +357,7 @@ class RowCodec:
         one new tensor: decode scales it in place."""
         if self.spec.kind == "int8":
             return (codes.view(torch.int8) if self.spec.symmetric else codes).float()
-        nib = torch.empty(codes.shape[0], self.width // 2, 2)
+        nib = torch.empty(codes.shape[0], self.width // 2, 2, device=codes.device)
         nib[..., 0] = codes & 0x0F
         nib[..., 1] = codes >> 4
         nib = nib.view(-1, self.width)
@@ -478,11 +478,15 @@ class LayerCodec:
 
     def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """uint8 [..., row_bytes] → [..., d_c + d_r] in `dtype`."""
+        return torch.cat(self.decode_parts(codes, dtype), dim=-1)
+
+    def decode_parts(self, codes: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """uint8 [..., row_bytes] → (c_kv [..., d_c], k_pe [..., d_r]) in `dtype`, never concatenated."""
         if codes.shape[-1:] != (self.row_bytes,):
             shape = list(codes.shape)
             raise ValueError(f"layer codec {self.name}: expected [..., {self.row_bytes}] bytes, got {shape}")
         c, r = codes.split([self.ckv.row_bytes, self.kpe.row_bytes], dim=-1)
-        return torch.cat([self.ckv.decode(c, dtype), self.kpe.decode(r, dtype)], dim=-1)
+        return self.ckv.decode(c, dtype), self.kpe.decode(r, dtype)
 
     def fake_quant(self, rows: Tensor) -> Tensor:
         """decode(encode(rows)) in rows' dtype."""

@@ -178,8 +178,7 @@ def mla_decode_reference(
     raw = flat.index_select(0, pages.flatten()).view(torch.uint8)
     raw = raw.view(batch, n_pages * block_size, -1)[:, :t_max]  # [B, T, row_bytes]
     # the two parts are decoded apart and never concatenated: one less pass over the rows per step
-    c_bytes = codec.ckv.row_bytes
-    c_kv, k_pe = codec.ckv.decode(raw[..., :c_bytes]), codec.kpe.decode(raw[..., c_bytes:])  # float32
+    c_kv, k_pe = codec.decode_parts(raw)  # float32 [B, T, d_c], [B, T, d_r]
     if min(lens_host) < t_max:
         c_kv.masked_fill_(~valid.unsqueeze(-1), 0.0)  # undefined slots may decode to NaN / Inf
         k_pe.masked_fill_(~valid.unsqueeze(-1), 0.0)

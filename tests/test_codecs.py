@@ -373,3 +373,14 @@ def test_cuda_bytes_equal_cpu_bytes(name):
     codes = codec.encode(x)
     assert torch.equal(codec.encode(x.cuda()).cpu(), codes)
     assert torch.equal(codec.decode(codes.cuda()).cpu(), codec.decode(codes))
+
+
+@pytest.mark.parametrize("name", ["int4-row", "int4-g32-asym", "int8-row", "fp16"])
+def test_decode_stays_on_the_codes_device(name):
+    """Every tensor decode makes follows the codes' device (meta stands in for CUDA here): a buffer
+    allocated on the default device would fail, or silently move a GPU cache's rows to the CPU."""
+    codec = LayerCodec.from_names(name, name, 64, 32)
+    codes = codec.encode(torch.randn(3, 96)).to("meta")
+    out = codec.decode(codes)
+    assert out.device.type == "meta" and out.shape == (3, 96)
+    assert [p.device.type for p in codec.decode_parts(codes)] == ["meta", "meta"]
