@@ -171,7 +171,7 @@ def mla_decode_reference(
     if named.numel() and (named.min() < 0 or named.max() >= num_blocks):
         raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
     pages = torch.where(used, pages, 0)
-    # whole pages as flat rows of 8-byte words: index_select copies them ~5x faster than pool[pages]
+    # whole pages as flat rows of 8-byte words: index_select copies them several times faster than pool[pages]
     page_bytes = block_size * pool.shape[2]
     flat = pool.reshape(num_blocks, page_bytes)
     flat = flat.view(torch.int64) if page_bytes % 8 == 0 and flat.is_contiguous() else flat
@@ -183,7 +183,7 @@ def mla_decode_reference(
         c_kv.masked_fill_(~valid.unsqueeze(-1), 0.0)  # undefined slots may decode to NaN / Inf
         k_pe.masked_fill_(~valid.unsqueeze(-1), 0.0)
     q = q.float()
-    # rows @ q^T: ~3x faster on CPU than q @ rows^T, which BLAS runs with a transposed large operand
+    # rows @ q^T: several times faster on CPU than q @ rows^T (BLAS with a transposed large operand)
     scores = torch.matmul(c_kv, q[..., :d_c].transpose(1, 2))  # [B, T, H]
     scores = scores.add_(torch.matmul(k_pe, q[..., d_c:].transpose(1, 2))).mul_(scale).transpose(1, 2)
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
