@@ -47,6 +47,7 @@ class Segment:
     lens: list[int] = field(init=False)
     starts: list[int] = field(init=False)
     used_blocks: int = 0
+    _table: torch.Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.pool = torch.empty(0, self.block_size, self.codec.row_bytes, dtype=torch.uint8, device=self.device)
@@ -68,9 +69,13 @@ class Segment:
         needed = -(-(pos + n) // self.block_size)
         while len(self.tables[b]) < needed:
             self.tables[b].append(self._take_block())
-        table = torch.tensor(self.tables[b], device=self.device)
-        slots = torch.arange(pos, pos + n, device=self.device)
-        self.pool[table[slots // self.block_size], slots % self.block_size] = codes
+            self._table = None
+        done = 0
+        while done < n:  # one slice copy per block the rows land in
+            block, slot = divmod(pos + done, self.block_size)
+            take = min(n - done, self.block_size - slot)
+            self.pool[self.tables[b][block], slot : slot + take] = codes[done : done + take]
+            done += take
         self.lens[b] = pos + n
 
     def read(self, b: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -83,12 +88,13 @@ class Segment:
         return self.codec.decode(codes, dtype)
 
     def block_table(self) -> torch.Tensor:
-        """int32 [B, max_blocks] (unused entries 0) for the paged attention op."""
-        width = max(1, max(len(t) for t in self.tables))
-        table = torch.zeros(self.batch, width, dtype=torch.int32)
-        for b, t in enumerate(self.tables):
-            table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        return table.to(self.device)
+        """int32 [B, max_blocks] (unused entries 0) for the paged attention op; rebuilt only when a
+        sequence took a new block."""
+        if self._table is None:
+            width = max(1, max(len(t) for t in self.tables))
+            table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
+            self._table = table.to(self.device)
+        return self._table
 
     def seq_lens(self) -> torch.Tensor:
         return torch.tensor(self.lens, dtype=torch.int32, device=self.device)

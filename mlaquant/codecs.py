@@ -289,8 +289,8 @@ class RowCodec:
             return self._encode_fp8(x).reshape(*lead, self.row_bytes)
         if self.spec.is_float:
             out = x.to(FLOAT_KINDS[self.spec.kind], copy=True).contiguous()  # codes never alias the input
-            bad_in, bad_out = torch.stack([~torch.isfinite(x).all(), ~torch.isfinite(out).all()]).tolist()
-            self._raise_if(bad_in, bad_out, "values exceed the range of " + self.spec.kind)
+            if not torch.isfinite(out).all():  # NaN / Inf input stays NaN / Inf: one check on the hot path
+                self._raise_if(not torch.isfinite(x).all(), True, "values exceed the range of " + self.spec.kind)
             return out.view(torch.uint8).reshape(*lead, self.row_bytes)
         x32 = x.float()
         xg = self._clip(x32).reshape(-1, self.n_groups, self.group_size)  # [N, G, g]
@@ -352,40 +352,51 @@ class RowCodec:
         nib = (q + 8 if self.spec.symmetric else q).to(torch.uint8).view(-1, self.width // 2, 2)
         return nib[..., 0] | (nib[..., 1] << 4)
 
-    def _unpack(self, codes: Tensor) -> Tensor:
+    def _unpack(self, codes: Tensor, out: Tensor | None = None) -> Tensor:
         """Code bytes [N, code_bytes] (rows may be strided) → float32 codes [N, W] (signed for symmetric),
-        one new tensor: decode scales it in place."""
+        written into `out` [N, W] when given, else into one new tensor: decode scales it in place."""
         if self.spec.kind == "int8":
-            return (codes.view(torch.int8) if self.spec.symmetric else codes).float()
-        nib = torch.empty(codes.shape[0], self.width // 2, 2, device=codes.device)
+            signed = codes.view(torch.int8) if self.spec.symmetric else codes
+            return signed.float() if out is None else out.copy_(signed)
+        if out is None:
+            out = torch.empty(codes.shape[0], self.width, device=codes.device)
+        nib = out.view(-1, self.width // 2, 2)
         nib[..., 0] = codes & 0x0F
         nib[..., 1] = codes >> 4
-        nib = nib.view(-1, self.width)
-        return nib.sub_(8) if self.spec.symmetric else nib
+        return out.sub_(8) if self.spec.symmetric else out
 
-    def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        """uint8 [..., row_bytes] → [..., width] in `dtype` (computed in FP32, then cast)."""
+    def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
+        """uint8 [..., row_bytes] → [..., width] in `dtype` (computed in FP32, then cast). With `out`
+        (float32, contiguous, [..., width]) the values are written there and `out` is returned: a caller
+        decoding chunk after chunk reuses one buffer instead of allocating."""
         if codes.dtype != torch.uint8 or codes.shape[-1:] != (self.row_bytes,):
             raise ValueError(
                 f"codec {self.spec.name}: expected uint8 [..., {self.row_bytes}], got {codes.dtype} {list(codes.shape)}"
+            )
+        if out is not None and (out.dtype != torch.float32 or out.shape != (*codes.shape[:-1], self.width)):
+            raise ValueError(
+                f"codec {self.spec.name}: out must be float32 {[*codes.shape[:-1], self.width]}, "
+                f"got {out.dtype} {list(out.shape)}"
             )
         if self.spec.is_float and self.spec.kind != FP8:
             try:  # a strided slice of whole rows reinterprets in place; the cast is the only copy
                 vals = codes.view(FLOAT_KINDS[self.spec.kind])
             except RuntimeError:
                 vals = codes.contiguous().view(FLOAT_KINDS[self.spec.kind])
-            return vals.to(dtype, copy=True)  # never a view of the cache
+            return vals.to(dtype, copy=True) if out is None else out.copy_(vals)  # never a view of the cache
         lead = codes.shape[:-1]
         codes = codes.reshape(-1, self.row_bytes)
         if self.spec.kind == FP8:
-            return self._decode_fp8(codes).to(dtype).reshape(*lead, self.width)
-        x = self._unpack(codes[:, : self.code_bytes]).view(-1, self.n_groups, self.group_size)
+            x = self._decode_fp8(codes).reshape(*lead, self.width)
+            return x.to(dtype) if out is None else out.copy_(x)
+        flat = None if out is None else out.view(-1, self.width)
+        x = self._unpack(codes[:, : self.code_bytes], flat).view(-1, self.n_groups, self.group_size)
         scale = codes[:, self.scale_offset : self.scale_offset + 2 * self.n_groups].contiguous()
         x.mul_(scale.view(torch.float16).float().unsqueeze(-1))
         if not self.spec.symmetric:
             lo = codes[:, self.zero_offset : self.zero_offset + 2 * self.n_groups].contiguous()
             x.add_(lo.view(torch.float16).float().unsqueeze(-1))
-        return x.view(-1, self.width).to(dtype).reshape(*lead, self.width)
+        return x.view(-1, self.width).to(dtype).reshape(*lead, self.width) if out is None else out
 
     def fake_quant(self, x: Tensor) -> Tensor:
         """decode(encode(x)) in x's dtype — bit-identical to that composition by construction."""
@@ -480,13 +491,17 @@ class LayerCodec:
         """uint8 [..., row_bytes] → [..., d_c + d_r] in `dtype`."""
         return torch.cat(self.decode_parts(codes, dtype), dim=-1)
 
-    def decode_parts(self, codes: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
-        """uint8 [..., row_bytes] → (c_kv [..., d_c], k_pe [..., d_r]) in `dtype`, never concatenated."""
+    def decode_parts(
+        self, codes: Tensor, dtype: torch.dtype = torch.float32, out: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """uint8 [..., row_bytes] → (c_kv [..., d_c], k_pe [..., d_r]) in `dtype`, never concatenated;
+        written into `out` (two float32 buffers of those shapes) when given."""
         if codes.shape[-1:] != (self.row_bytes,):
             shape = list(codes.shape)
             raise ValueError(f"layer codec {self.name}: expected [..., {self.row_bytes}] bytes, got {shape}")
         c, r = codes.split([self.ckv.row_bytes, self.kpe.row_bytes], dim=-1)
-        return self.ckv.decode(c, dtype), self.kpe.decode(r, dtype)
+        c_out, r_out = (None, None) if out is None else out
+        return self.ckv.decode(c, dtype, c_out), self.kpe.decode(r, dtype, r_out)
 
     def fake_quant(self, rows: Tensor) -> Tensor:
         """decode(encode(rows)) in rows' dtype."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import math
 import os
 
 import torch
@@ -126,6 +127,7 @@ def mla_decode(
     d_c: int,
     scale: float,
     backend: str | Backend = "auto",
+    scratch: Scratch | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Absorbed MLA decode attention over a paged quantized cache.
 
@@ -135,60 +137,103 @@ def mla_decode(
     seq_lens: int32 [B] (tokens to attend per sequence, >= 1; 0 gives out 0 and lse -inf).
     Returns out [B, H, d_c] = softmax(q·[c_kv|k_pe]^T * scale) @ c_kv, float32, and
     lse [B, H] float32 (natural-log log-sum-exp of the scaled scores).
+    scratch: buffers the torch path reuses between calls (see `Scratch`); the Triton kernel needs none.
     """
     _check_args(q, pool, block_table, seq_lens, codec, d_c)
     if resolve_backend(backend, q.device) == Backend.TRITON.value and (
         Backend(backend) is not Backend.AUTO or _kernel_reads(codec, q.device)
     ):
         return load_kernel()(q, pool, block_table, seq_lens, codec, d_c, scale)
-    return mla_decode_reference(q, pool, block_table, seq_lens, codec, d_c, scale)
+    return mla_decode_reference(q, pool, block_table, seq_lens, codec, d_c, scale, scratch)
 
 
 def mla_decode_reference(
-    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec: LayerCodec, d_c: int, scale: float
+    q: Tensor,
+    pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    codec: LayerCodec,
+    d_c: int,
+    scale: float,
+    scratch: Scratch | None = None,
 ) -> tuple[Tensor, Tensor]:
     """FP32 torch reference of `mla_decode` (same arguments, no backend): gathers only the rows
     t < seq_lens[b], decodes them with `codec`, and runs exact attention. Keep TF32 matmuls off on
-    CUDA when using it as a reference."""
+    CUDA when using it as a reference.
+
+    The decoded FP32 rows and the scores go into the buffers of `scratch` (a fresh one when None), which
+    a session reuses step after step: a fresh multi-MB tensor per step costs page faults whenever the
+    allocator has handed its memory back to the OS — every step from 16k tokens on, where FP32 c_kv
+    reaches 32 MiB, glibc's largest mmap threshold.
+    """
     _check_args(q, pool, block_table, seq_lens, codec, d_c)
-    batch, _, width = q.shape
+    scratch = Scratch() if scratch is None else scratch
     num_blocks, block_size, _ = pool.shape
-    lens = seq_lens.long()
-    lens_host = lens.tolist()
-    if min(lens_host) < 0 or max(lens_host) > block_table.shape[1] * block_size:
+    lens = seq_lens.tolist()
+    if min(lens) < 0 or max(lens) > block_table.shape[1] * block_size:
         raise ValueError(
             f"mla_decode: seq_lens must lie in [0, {block_table.shape[1] * block_size}] "
-            f"(max_blocks x block_size), got {lens_host}"
+            f"(max_blocks x block_size), got {lens}"
         )
-    t_max = max(lens_host)
-    pos = torch.arange(t_max, device=q.device)
-    valid = pos.unsqueeze(0) < lens.unsqueeze(1)  # [B, T]
-    # gather whole pages (fast contiguous copies); slots past seq_len are decoded, then zeroed
+    t_max = max(lens)
     n_pages = -(-t_max // block_size)
-    pages = block_table[:, :n_pages].long()  # [B, n_pages]
-    used = torch.arange(n_pages, device=q.device).unsqueeze(0) * block_size < lens.unsqueeze(1)
-    named = pages[used]
-    if named.numel() and (named.min() < 0 or named.max() >= num_blocks):
+    # the table on the host: a few hundred ints, checked and read without per-element device ops
+    pages = [row[: -(-n // block_size)] for row, n in zip(block_table[:, :n_pages].tolist(), lens)]
+    if any(p < 0 or p >= num_blocks for row in pages for p in row):
         raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
-    pages = torch.where(used, pages, 0)
-    # whole pages as flat rows of 8-byte words: index_select copies them several times faster than pool[pages]
-    page_bytes = block_size * pool.shape[2]
-    flat = pool.reshape(num_blocks, page_bytes)
-    flat = flat.view(torch.int64) if page_bytes % 8 == 0 and flat.is_contiguous() else flat
-    raw = flat.index_select(0, pages.flatten()).view(torch.uint8)
-    raw = raw.view(batch, n_pages * block_size, -1)[:, :t_max]  # [B, T, row_bytes]
+    raw = _gather_pages(pool, [row + [0] * (n_pages - len(row)) for row in pages])[:, :t_max]  # [B, T, row_bytes]
+    batch, heads, _ = q.shape
     # the two parts are decoded apart and never concatenated: one less pass over the rows per step
-    c_kv, k_pe = codec.decode_parts(raw)  # float32 [B, T, d_c], [B, T, d_r]
-    if min(lens_host) < t_max:
-        c_kv.masked_fill_(~valid.unsqueeze(-1), 0.0)  # undefined slots may decode to NaN / Inf
-        k_pe.masked_fill_(~valid.unsqueeze(-1), 0.0)
+    c_kv = scratch.take("c_kv", (batch, t_max, d_c), q.device)
+    k_pe = scratch.take("k_pe", (batch, t_max, codec.kpe.width), q.device)
+    codec.decode_parts(raw, out=(c_kv, k_pe))
+    for b, n in enumerate(lens):
+        if n < t_max:
+            c_kv[b, n:] = 0.0  # slots past a sequence's end are undefined and may decode to NaN / Inf
+            k_pe[b, n:] = 0.0
     q = q.float()
-    # rows @ q^T: several times faster on CPU than q @ rows^T (BLAS with a transposed large operand)
-    scores = torch.matmul(c_kv, q[..., :d_c].transpose(1, 2))  # [B, T, H]
-    scores = scores.add_(torch.matmul(k_pe, q[..., d_c:].transpose(1, 2))).mul_(scale).transpose(1, 2)
-    scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, H]
+    # rows @ q^T runs several times faster on CPU than q @ rows^T (BLAS with a transposed large operand)
+    scores = scratch.take("scores", (batch, t_max, heads), q.device)  # [B, T, H]
+    torch.bmm(c_kv, q[..., :d_c].transpose(1, 2), out=scores).baddbmm_(k_pe, q[..., d_c:].transpose(1, 2))
+    # the softmax on a contiguous [B, H, T] copy: reductions along a strided dim are far slower
+    probs = scratch.take("probs", (batch, heads, t_max), q.device).copy_(scores.transpose(1, 2)).mul_(scale)
+    for b, n in enumerate(lens):
+        if n < t_max:
+            probs[b, :, n:] = float("-inf")
+    lse = torch.logsumexp(probs, dim=-1)  # [B, H]
     # an empty sequence has lse = -inf; subtracting 0 instead keeps its probabilities 0, not NaN
-    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1))
-    out = torch.matmul(probs, c_kv)  # [B, H, d_c]
-    return out, lse
+    probs.sub_(lse.masked_fill(torch.isinf(lse), 0.0).unsqueeze(-1)).exp_()
+    return torch.bmm(probs, c_kv), lse  # [B, H, d_c], [B, H]
+
+
+class Scratch:
+    """Float32 buffers the torch decode path reuses from step to step, one per name, grown on demand
+    and kept: a `DecodeSession` holds the FP32 rows of its longest layer read (B × T × (d_c + d_r) × 4
+    bytes: 38 MB at 16k tokens with DeepSeek's d_c 512, d_r 64). Not for concurrent use."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def take(self, name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
+        """A contiguous float32 tensor of `shape` on `device` (contents undefined)."""
+        size = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < size or buf.device != device:
+            buf = self._buffers[name] = torch.empty(size, device=device)
+        return buf[:size].view(shape)
+
+
+def _gather_pages(pool: Tensor, pages: list[list[int]]) -> Tensor:
+    """Pages `pages[b]` (block ids, n per sequence) of pool uint8 [num_blocks, block_size, row_bytes], in
+    order → uint8 [B, n * block_size, row_bytes]: a view of the pool when there is one sequence and its
+    pages are consecutive (a sequence filled in order), else whole-page copies."""
+    num_blocks, block_size, row_bytes = pool.shape
+    batch, n = len(pages), len(pages[0])
+    first = pages[0][0] if n else 0
+    if batch == 1 and pages[0] == list(range(first, first + n)) and pool.is_contiguous():
+        return pool[first : first + n].view(1, n * block_size, row_bytes)
+    # whole pages as flat rows of 8-byte words: index_select copies them several times faster than pool[pages]
+    flat = pool.reshape(num_blocks, block_size * row_bytes)
+    flat = flat.view(torch.int64) if flat.shape[1] % 8 == 0 and flat.is_contiguous() else flat
+    index = torch.tensor(pages, dtype=torch.long, device=pool.device).flatten()
+    return flat.index_select(0, index).view(torch.uint8).view(batch, n * block_size, row_bytes)

@@ -110,6 +110,7 @@ class DecodeSession:
         self.cache: LatentCache | None = None
         self.lengths: list[int] = []
         self.fallback_events: list[dict] = []
+        self.scratch = ops.Scratch()  # the torch decode path's buffers, reused step after step
 
     def _new_cache(self, batch: int) -> LatentCache:
         return LatentCache(self.codecs, batch, self.runtime.block_size, self.model.device, self.plan.window)
@@ -184,7 +185,15 @@ class DecodeSession:
             if sum(seg.lens) == 0:
                 continue
             out, lse = ops.mla_decode(
-                q, seg.pool, seg.block_table(), seg.seq_lens(), seg.codec, self.d_c, self.scale, self.backend
+                q,
+                seg.pool,
+                seg.block_table(),
+                seg.seq_lens(),
+                seg.codec,
+                self.d_c,
+                self.scale,
+                self.backend,
+                self.scratch,
             )
             outs.append(out)
             lses.append(lse)

@@ -384,3 +384,19 @@ def test_decode_stays_on_the_codes_device(name):
     out = codec.decode(codes)
     assert out.device.type == "meta" and out.shape == (3, 96)
     assert [p.device.type for p in codec.decode_parts(codes)] == ["meta", "meta"]
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp16", "fp8", "fp8-g32", *QUANT_NAMES])
+def test_decode_into_a_buffer_equals_decode(name):
+    """decode(out=) (the decode path's reused scratch) writes exactly what decode returns, also from
+    strided rows (one part of a wider row) and over stale buffer contents."""
+    codec = _codec(name, 128)
+    wide = torch.cat([codec.encode(_rows()), torch.zeros(64, 5, dtype=torch.uint8)], dim=1)
+    codes = wide[:, : codec.row_bytes]  # strided rows, as one part of a cached row is
+    out = torch.full((64, 128), float("nan"))
+    assert codec.decode(codes, out=out) is out
+    assert torch.equal(out, codec.decode(codes))
+    with pytest.raises(ValueError, match="out must be float32"):
+        codec.decode(codes, out=torch.empty(64, 127))
+    with pytest.raises(ValueError, match="out must be float32"):
+        codec.decode(codes, out=torch.empty(64, 128, dtype=torch.float16))
