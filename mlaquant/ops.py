@@ -207,9 +207,12 @@ def mla_decode_reference(
 
 
 class Scratch:
-    """Float32 buffers the torch decode path reuses from step to step, one per name, grown on demand
-    and kept: a `DecodeSession` holds the FP32 rows of its longest layer read (B × T × (d_c + d_r) × 4
-    bytes: 38 MB at 16k tokens with DeepSeek's d_c 512, d_r 64). Not for concurrent use."""
+    """Float32 buffers the torch decode path reuses from step to step, one per name, kept and grown on
+    demand: a `DecodeSession` holds the FP32 rows of its longest layer read (B × T × (d_c + d_r) × 4
+    bytes, 38 MB at 16k tokens with DeepSeek's d_c 512, d_r 64) plus up to GROWTH − 1 of slack.
+    Not for concurrent use."""
+
+    GROWTH = 1.25  # a buffer outgrown by one more token grows by a quarter, not by one row per step
 
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}
@@ -219,7 +222,9 @@ class Scratch:
         size = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < size or buf.device != device:
-            buf = self._buffers[name] = torch.empty(size, device=device)
+            grown = size if buf is None or buf.device != device else max(size, int(buf.numel() * self.GROWTH))
+            self._buffers.pop(name, None)  # free the old buffer before taking the new one
+            buf = self._buffers[name] = torch.empty(grown, device=device)
         return buf[:size].view(shape)
 
 
