@@ -367,16 +367,18 @@ class RowCodec:
 
     def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
         """uint8 [..., row_bytes] → [..., width] in `dtype` (computed in FP32, then cast). With `out`
-        (float32, contiguous, [..., width]) the values are written there and `out` is returned: a caller
-        decoding chunk after chunk reuses one buffer instead of allocating."""
+        (float32, contiguous, [..., width]; `dtype` is then not used) the values are written there and
+        `out` is returned: the decode path reuses one buffer step after step instead of allocating."""
         if codes.dtype != torch.uint8 or codes.shape[-1:] != (self.row_bytes,):
             raise ValueError(
                 f"codec {self.spec.name}: expected uint8 [..., {self.row_bytes}], got {codes.dtype} {list(codes.shape)}"
             )
-        if out is not None and (out.dtype != torch.float32 or out.shape != (*codes.shape[:-1], self.width)):
+        if out is not None and (
+            out.dtype != torch.float32 or out.shape != (*codes.shape[:-1], self.width) or not out.is_contiguous()
+        ):
             raise ValueError(
-                f"codec {self.spec.name}: out must be float32 {[*codes.shape[:-1], self.width]}, "
-                f"got {out.dtype} {list(out.shape)}"
+                f"codec {self.spec.name}: out must be contiguous float32 {[*codes.shape[:-1], self.width]}, "
+                f"got {out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ' (strided)'}"
             )
         if self.spec.is_float and self.spec.kind != FP8:
             try:  # a strided slice of whole rows reinterprets in place; the cast is the only copy

@@ -396,7 +396,9 @@ def test_decode_into_a_buffer_equals_decode(name):
     out = torch.full((64, 128), float("nan"))
     assert codec.decode(codes, out=out) is out
     assert torch.equal(out, codec.decode(codes))
-    with pytest.raises(ValueError, match="out must be float32"):
+    with pytest.raises(ValueError, match="out must be contiguous float32"):
         codec.decode(codes, out=torch.empty(64, 127))
-    with pytest.raises(ValueError, match="out must be float32"):
+    with pytest.raises(ValueError, match="out must be contiguous float32"):
         codec.decode(codes, out=torch.empty(64, 128, dtype=torch.float16))
+    with pytest.raises(ValueError, match="strided"):
+        codec.decode(codes, out=torch.empty(128, 64).T)
