@@ -79,6 +79,19 @@ class MLAConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
 
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Every end-of-sequence id of the config (`eos_token_id` may be an int, a list or None)."""
+        eos = self.eos_token_id
+        if eos is None:
+            return ()
+        return tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    @property
+    def eos_id(self) -> int | None:
+        """The first end-of-sequence id (what joins documents into token samples), or None."""
+        return self.eos_ids[0] if self.eos_ids else None
+
     @classmethod
     def from_hf(cls, raw: dict, where: str = "config.json") -> MLAConfig:
         """Parse a Hugging Face DeepSeek-V2/V3 config dict; errors name the file and fields."""
