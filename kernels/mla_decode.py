@@ -376,8 +376,9 @@ class _Part:
 
 
 def _part(rc, offset: int, on_gpu: bool, label: str) -> _Part:
-    kind = rc.spec.kind
-    width, group = rc.width, rc.group_size
+    lay = rc.layout  # the codec's `PartLayout`: offsets are read from it, never recomputed here
+    kind = lay.spec.kind
+    width, group = lay.width, lay.group_size
     if kind not in ("fp16", "int8", "int4"):
         raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name} is not supported "
                            "(fp16/int8/int4 only)")
@@ -387,12 +388,12 @@ def _part(rc, offset: int, on_gpu: bool, label: str) -> _Part:
     if on_gpu and (group < 32 if kind != "fp16" else width < 16):
         raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name}: on GPU integer groups need "
                            "≥ 32 channels and fp16 parts ≥ 16 (tl.dot minimum K)")
-    scale_off = rc.scale_offset or 0
+    scale_off = lay.scale_offset or 0
     if (offset + scale_off) % 2 or (kind == "fp16" and offset % 2):
         raise BackendError(f"triton mla_decode: {label} FP16 data at an odd byte offset (row layout {rc})")
     return _Part(
         {"fp16": _KIND_FP16, "int8": _KIND_INT8, "int4": _KIND_INT4}[kind],
-        not rc.spec.symmetric, width, group, offset, scale_off, rc.zero_offset or 0,
+        not lay.spec.symmetric, width, group, offset, scale_off, lay.zero_offset or 0,
     )
 
 
@@ -481,7 +482,7 @@ def codec_parts(codec, on_gpu: bool) -> tuple[_Part, _Part]:
     if codec.row_bytes % 2:
         raise BackendError(f"triton mla_decode: a row of {codec.row_bytes} bytes ({codec.name}) misaligns "
                            "the FP16 values of every other row")
-    return _part(codec.ckv, 0, on_gpu, "c_kv"), _part(codec.kpe, codec.ckv.row_bytes, on_gpu, "k_pe")
+    return _part(codec.ckv, 0, on_gpu, "c_kv"), _part(codec.kpe, codec.layout.kpe_offset, on_gpu, "k_pe")
 
 
 def supports(codec, on_gpu: bool = True) -> str | None:
@@ -615,8 +616,8 @@ def effective_query(q: Tensor, codec) -> Tensor:
     parts = []
     for rc, x in zip((codec.ckv, codec.kpe), q.float().split([codec.ckv.width, codec.kpe.width], dim=-1)):
         if rc.spec.kind in ("int8", "int4"):
-            q8, qs = quantize_query(x, rc.group_size)
-            x = (q8.float().unflatten(-1, (-1, rc.group_size)) * qs.unsqueeze(-1)).flatten(-2)
+            q8, qs = quantize_query(x, rc.layout.group_size)
+            x = (q8.float().unflatten(-1, (-1, rc.layout.group_size)) * qs.unsqueeze(-1)).flatten(-2)
         elif rc.spec.kind == "fp16":
             x = x.half().float()
         parts.append(x)
@@ -634,7 +635,7 @@ def score_group_dots(
     on_gpu = _check_device(q)
     block_table, seq_lens = _int32(block_table), _int32(seq_lens)
     longest = _check_inputs(q, pool, block_table, seq_lens, codec, d_c)
-    rc, offset, q_off = (codec.ckv, 0, 0) if part == "c_kv" else (codec.kpe, codec.ckv.row_bytes, d_c)
+    rc, offset, q_off = (codec.ckv, 0, 0) if part == "c_kv" else (codec.kpe, codec.layout.kpe_offset, d_c)
     p = _part(rc, offset, on_gpu, part)
     if p.kind == _KIND_FP16:
         raise BackendError(f"score_group_dots: the {part} part ({rc.spec.name}) has no integer score path")

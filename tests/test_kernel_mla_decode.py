@@ -141,19 +141,19 @@ def test_int32_score_path_is_exact(codec_name):
     q[0, 1, :16] = 0.0  # an all-zero group
     for part, rc, sl in (("c_kv", codec.ckv, slice(0, D_C)), ("k_pe", codec.kpe, slice(D_C, D_C + D_R))):
         dots, qs = K.score_group_dots(q, pool, table, lens, codec, D_C, part=part)
-        q8, qs_ref = K.quantize_query(q[..., sl], rc.group_size)
+        q8, qs_ref = K.quantize_query(q[..., sl], rc.layout.group_size)
         if part == "c_kv":
             assert q8[0, 0, 1:8].tolist() == [2, -4, 0, 0, 2, 4, -2]
         assert torch.equal(qs, qs_ref)
         for b, n in enumerate(lens.tolist()):
             t = torch.arange(n)
             raw = pool[table[b, t // PAGE].long(), t % PAGE]
-            raw = raw[:, 0 : rc.row_bytes] if part == "c_kv" else raw[:, codec.ckv.row_bytes :]
-            codes = _dot_codes(raw[:, : rc.code_bytes], rc)  # [n, W], decoded here from the documented layout
+            raw = raw[:, 0 : rc.row_bytes] if part == "c_kv" else raw[:, codec.layout.kpe_offset :]
+            codes = _dot_codes(raw[:, : rc.layout.code_bytes], rc)  # [n, W], decoded here from the documented layout
             ref = torch.einsum(
                 "hgc,tgc->htg",
-                q8[b].long().unflatten(-1, (-1, rc.group_size)),
-                codes.unflatten(-1, (-1, rc.group_size)),
+                q8[b].long().unflatten(-1, (-1, rc.layout.group_size)),
+                codes.unflatten(-1, (-1, rc.layout.group_size)),
             )
             assert torch.equal(dots[b, :, :n].long(), ref), part
             assert not dots[b, :, n:].any()
