@@ -15,7 +15,7 @@ from tests.closeness import closeness
 # variable must be set before triton is first imported; it stays set (tests that need it unset monkeypatch).
 os.environ["TRITON_INTERPRET"] = "1"
 G = pytest.importorskip("mlaquant.kernels.int8_gemm")
-if not G._interpreted():
+if not G.interpreter_active():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 SHAPES = [(1, 96, 64), (5, 200, 80), (33, 64, 130)]  # (M, K, N): K and N off the tile grid
