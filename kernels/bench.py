@@ -125,6 +125,7 @@ def decode_rows(
     scale = (dims["d_n"] + d_r) ** -0.5
     gen = torch.Generator().manual_seed(0)
     layer_codecs = [LayerCodec.from_names(*name.split("/"), d_c, d_r) for name in codecs]
+    config = K.load_kernel_config()  # what K.mla_decode runs with by default, for the chunk column
     rows: list[dict] = []
     for h in heads:
         for b in batches:
@@ -146,7 +147,7 @@ def decode_rows(
                         continue
                     pool = _pool(codec, b * ctx, K.PAGE_TOKENS, device, gen)
                     table = torch.randperm(pool.shape[0], generator=gen).view(b, -1).to(device, torch.int32)
-                    chunk = K._packaged_config().chunk_for(ctx)
+                    chunk = config.chunk_for(ctx)
                     n_split = -(-ctx // chunk)
                     ms = clock(functools.partial(K.mla_decode, q, pool, table, lens, codec, d_c, scale,
                                                  max_seq_len=ctx))

@@ -176,7 +176,9 @@ def _gemm_kernel(
     tl.store(c_ptrs, c.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _interpreted() -> bool:
+def interpreter_active() -> bool:
+    """True when the kernels run in triton's CPU interpreter (TRITON_INTERPRET=1 set before importing triton);
+    BackendError when it was set in between (our kernels and triton's library disagree)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     ours = isinstance(_gemm_kernel, InterpretedFunction)
@@ -187,7 +189,7 @@ def _interpreted() -> bool:
 
 def _device_check(x: Tensor) -> bool:
     """True when interpreted (CPU tensors); BackendError when the tensors' device cannot run the kernels."""
-    interpreted = _interpreted()
+    interpreted = interpreter_active()
     if interpreted and x.is_cuda:
         raise BackendError("int8_gemm: TRITON_INTERPRET=1 runs on CPU tensors only")
     if not interpreted and not x.is_cuda:
@@ -289,5 +291,5 @@ def int8_gemm_grouped(x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: tor
 
 __all__ = [
     "int8_gemm", "int8_gemm_grouped", "int8_gemm_reference", "int8_gemm_error_bound",
-    "quantize_weight_per_channel", "quantize_activation", "quantize_rows", "OUT_DTYPES",
+    "quantize_weight_per_channel", "quantize_activation", "quantize_rows", "interpreter_active", "OUT_DTYPES",
 ]

@@ -103,12 +103,23 @@ def load_config(cls: type[T], source: str | Path | dict | T | None, default_file
     return from_dict(cls, read_yaml(source), str(source))
 
 
+def chunk_for_context(schedule: tuple, context_len: int) -> int:
+    """The chunk length a `[up_to_context, chunk_tokens]` schedule gives a context of `context_len` tokens.
+
+    The first pair whose bound exceeds `context_len` wins; the last pair covers everything longer (its bound
+    is ignored). One schedule for prefill chunks (`RuntimeConfig`) and split-KV chunks (`KernelConfig`).
+    """
+    for bound, chunk in schedule[:-1]:
+        if context_len < bound:
+            return int(chunk)
+    return int(schedule[-1][1])
+
+
 @dataclasses.dataclass
 class RuntimeConfig:
     """Decode-time settings (`configs/runtime.yaml`).
 
-    `prefill_chunks` lists `[up_to_context, chunk_tokens]` pairs; the first pair whose bound is at
-    least the context length wins and the last pair covers everything longer.
+    `prefill_chunks` lists `[up_to_context, chunk_tokens]` pairs, read by `chunk_for_context`.
     """
 
     version: int = 1
@@ -123,10 +134,7 @@ class RuntimeConfig:
 
     def chunk_for(self, context_len: int) -> int:
         """Prefill chunk length for a total context of `context_len` tokens."""
-        for bound, chunk in self.prefill_chunks[:-1]:
-            if context_len < bound:
-                return int(chunk)
-        return int(self.prefill_chunks[-1][1])
+        return chunk_for_context(self.prefill_chunks, context_len)
 
 
 def load_runtime_config(source: str | Path | dict | RuntimeConfig | None = None) -> RuntimeConfig:

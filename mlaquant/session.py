@@ -56,7 +56,7 @@ def latent_attention(
     return out + torch.einsum("htw,wc->thc", probs[..., L - W :] * use_near, delta)
 
 
-def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+def merge_exact_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     """Exact merge of softmax partials over disjoint key sets: outs [B, H, d], lses [B, H]."""
     if len(outs) == 1:
         return outs[0]
@@ -201,7 +201,7 @@ class DecodeSession:
             out, lse = self._attend_window(layer, q)
             outs.append(out)
             lses.append(lse)
-        return merge_partials(outs, lses)
+        return merge_exact_lse(outs, lses)
 
     def _attend_window(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention partial over the FP16 window rows: q [B, H, D] → out [B, H, d_c], lse [B, H]."""
