@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mlaquant.calib.data import split_path, token_samples
-from mlaquant.calib.observers import LatentStats, observe, percentile_bounds
+from mlaquant.calib.data import split_path
+from mlaquant.calib.observers import LatentStats, observe, observe_streamed
 from mlaquant.codecs import LayerCodec
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.errors import MLAQuantError
@@ -50,7 +50,9 @@ from mlaquant.eval import EvalResult, Evaluator
 from mlaquant.int8_proj import with_int8_projections
 from mlaquant.model import MLAModel, hadamard_signs, latent_rotation, with_latent_rotation
 from mlaquant.plan import LayerPlan, Plan
-from mlaquant.stream import StreamedEvaluator, StreamedModel, observe_streamed
+from mlaquant.ranges import percentile_bounds
+from mlaquant.samples import token_samples
+from mlaquant.stream import StreamedEvaluator, StreamedModel
 
 log = logging.getLogger(__name__)
 

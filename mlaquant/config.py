@@ -2,7 +2,8 @@
 
 Every config in `mlaquant.configs/*.yaml` maps onto one dataclass here or in the module that owns
 it. `load_config(cls, source)` accepts a path, a mapping or None (the packaged default) and rejects
-unknown keys by name, so a typo never silently falls back to a default.
+unknown keys by name, so a typo never silently falls back to a default, and a `version` other than
+the dataclass's own (its `version` field's default) by file and number.
 """
 
 from __future__ import annotations
@@ -91,16 +92,30 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+def _check_version(cls: type, data: dict, where: str) -> None:
+    """Refuse `data` whose `version` is not the one `cls` declares (its `version` field's default)."""
+    known = {f.name: f.default for f in dataclasses.fields(cls)}.get("version", dataclasses.MISSING)
+    if known is not dataclasses.MISSING and "version" in data and data["version"] != known:
+        raise ConfigError(f"{where}: unknown config version {data['version']!r} (this mlaquant reads version {known})")
+
+
 def load_config(cls: type[T], source: str | Path | dict | T | None, default_file: str) -> T:
-    """Load `cls` from a path, a mapping, an instance, or (None) the packaged `default_file`."""
+    """Load `cls` from a path, a mapping, an instance, or (None) the packaged `default_file`.
+
+    A `version` other than the one `cls` declares is refused; a source without `version` is read as
+    the declared one.
+    """
     if isinstance(source, cls):
         return source
     if source is None:
         path = packaged_config_path(default_file)
-        return from_dict(cls, read_yaml(path), str(path))
-    if isinstance(source, dict):
-        return from_dict(cls, source)
-    return from_dict(cls, read_yaml(source), str(source))
+        data, where = read_yaml(path), str(path)
+    elif isinstance(source, dict):
+        data, where = source, "config"
+    else:
+        data, where = read_yaml(source), str(source)
+    _check_version(cls, data, where)
+    return from_dict(cls, data, where)
 
 
 def chunk_for_context(schedule: tuple, context_len: int) -> int:

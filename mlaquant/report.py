@@ -1,6 +1,6 @@
 """The sweep's outputs: `report.md`, `report.json`, `sweep.png`, `memory.png`, written atomically.
 
-A report is one dict (built by `mlaquant.sweep`): `settings`, `versions`, `model` (path, fingerprint,
+A report is one dict (built by `mlaquant.calib.sweep`): `settings`, `versions`, `model` (path, fingerprint,
 dims), `tokens`, `reference`, `rows`, `pareto`, `target`, `findings`, `seconds`. Each row carries its
 measured numbers — `bytes_per_token_per_layer`, `bits_per_value`, `metrics` (loss = relative ppl
 increase, KL, top-1, tokens), `decode_tokens_per_s` — and the columns derived from them here
