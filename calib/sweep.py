@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 import mlaquant
 from mlaquant import report as report_mod
+from mlaquant.atomic import atomic_write
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.data import split_path
 from mlaquant.codecs import CodecError
@@ -364,7 +365,7 @@ def load_state(out: Path, key: str) -> dict:
 
 
 def save_state(out: Path, state: dict) -> None:
-    report_mod.write_atomic(out / STATE_FILE, json.dumps(state, indent=1))
+    atomic_write(out / STATE_FILE, json.dumps(state, indent=1))
 
 
 def resolve_plans(

@@ -26,13 +26,13 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from mlaquant.atomic import atomic_write
 from mlaquant.errors import BackendError
 
 # name substring -> (HBM TB/s, dense FP16 tensor TFLOP/s, dense INT8 tensor TOP/s); first match wins.
@@ -306,18 +306,6 @@ def render_markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def run(args: argparse.Namespace) -> int:
     _require_cuda()
     import triton
@@ -344,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     rows = decode_rows(heads, batches, contexts, codecs, dims, device, clock, args.sdpa_max_gb, peaks)
     rows += gemm_rows(batches, shapes, device, clock, peaks)
     out = Path(args.out)
-    _write_atomic(out, render_markdown(meta, rows))
-    _write_atomic(out.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=2))
+    atomic_write(out, render_markdown(meta, rows))
+    atomic_write(out.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {out} and {out.with_suffix('.json')}")
     return 0

@@ -23,11 +23,8 @@ from __future__ import annotations
 import copy
 import ctypes
 import ctypes.util
-import dataclasses
 import functools
-import hashlib
 import itertools
-import json
 import shutil
 import tempfile
 import weakref
@@ -43,7 +40,7 @@ from mlaquant.codecs import LayerCodec
 from mlaquant.errors import CheckpointError
 from mlaquant.eval import Evaluator, fake_quant_hook
 from mlaquant.loader import TensorReader, default_model_path, read_config, read_parameter, weight_files
-from mlaquant.model import DecoderLayer, MLAModel, RMSNorm, RotaryEmbedding, with_latent_rotation
+from mlaquant.model import DecoderLayer, MLAModel, RMSNorm, RotaryEmbedding, weights_fingerprint, with_latent_rotation
 
 DEFAULT_SPILL_BYTES = 1 << 30
 
@@ -249,15 +246,9 @@ class StreamedModel:
     def fingerprint(self) -> str:
         """`MLAModel.fingerprint()` of the loaded checkpoint, computed one tensor at a time (cached)."""
         if self._fingerprint is None:
-            h = hashlib.sha256(json.dumps(dataclasses.asdict(self.cfg), sort_keys=True, default=str).encode())
-            for name, p in sorted(self._meta.state_dict().items()):
-                t = self._tensor(TensorReader(self._files), name, p.shape)
-                flat = t.detach().reshape(-1)
-                sample = flat[:: max(1, flat.numel() // 4096)].to(torch.bfloat16).cpu()
-                h.update(name.encode())
-                h.update(str(tuple(t.shape)).encode())
-                h.update(sample.view(torch.int16).numpy().tobytes())
-            self._fingerprint = h.hexdigest()
+            named = sorted(self._meta.state_dict().items())
+            tensors = ((n, self._tensor(TensorReader(self._files), n, p.shape)) for n, p in named)
+            self._fingerprint = weights_fingerprint(self.cfg, tensors)
             _return_freed_memory()
         return self._fingerprint
 

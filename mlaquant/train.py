@@ -18,10 +18,8 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import platform
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ import numpy as np
 import torch
 
 from mlaquant import corpus as corpus_mod
+from mlaquant.atomic import atomic_directory
 from mlaquant.config import load_config, to_dict
 from mlaquant.errors import MLAQuantError
 
@@ -280,18 +279,11 @@ def plot_loss(history: list[dict], val_history: list[dict], path: Path) -> None:
 
 
 def save_checkpoint(model, tokenizer, out_dir: str | Path, training: dict, history=(), val_history=()) -> Path:
-    """Write the HF checkpoint into a temp dir beside `out_dir`, then swap it in by rename.
-
-    Until the final rename the previous checkpoint stays where it was; between the two renames it
-    sits at `<out_dir>.prev`, which the next save (or `recover_checkpoint`) puts back.
-    """
+    """Write the HF checkpoint into `out_dir` through `atomic_directory`: the previous checkpoint stays
+    in place until the new one is complete (a save killed between the two renames is settled by the
+    next one). Files are 0644 and the directory 0755: it ships as package data."""
     out_dir = Path(out_dir)
-    recover_checkpoint(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    prev = out_dir.parent / f"{out_dir.name}.prev"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    with atomic_directory(out_dir, mode=0o755) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
         eos_id = tokenizer.token_to_id(EOS)
@@ -308,25 +300,8 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, training: dict, histo
         if history:
             plot_loss(list(history), list(val_history), tmp / "loss_curve.png")
         for p in tmp.iterdir():
-            p.chmod(0o644)  # safetensors writes 0600; the directory ships as package data
-        if out_dir.exists():
-            shutil.rmtree(prev, ignore_errors=True)
-            os.replace(out_dir, prev)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        recover_checkpoint(out_dir)
-        raise
-    shutil.rmtree(prev, ignore_errors=True)
+            p.chmod(0o644)  # safetensors writes 0600
     return out_dir
-
-
-def recover_checkpoint(out_dir: str | Path) -> None:
-    """Put `<out_dir>.prev` back if a save was interrupted between its two renames."""
-    out_dir = Path(out_dir)
-    prev = out_dir.parent / f"{out_dir.name}.prev"
-    if prev.is_dir() and not out_dir.exists():
-        os.replace(prev, out_dir)
 
 
 def greedy_completions(checkpoint: str | Path, prompts=COMPLETION_PROMPTS, max_new_tokens: int = 40) -> list[dict]:
