@@ -252,7 +252,21 @@ class RowLayout:
         return self.ckv.width + self.kpe.width
 
 
-class RowCodec(ABC):
+class _LaidOut:
+    """`width` (values) and `row_bytes` (stored bytes) of whatever `self.layout` describes."""
+
+    layout: PartLayout | RowLayout
+
+    @property
+    def width(self) -> int:
+        return self.layout.width
+
+    @property
+    def row_bytes(self) -> int:
+        return self.layout.row_bytes
+
+
+class RowCodec(_LaidOut, ABC):
     """Encodes rows [..., width] (float) to bytes [..., row_bytes] (uint8) and back, for one part.
 
     Built by `RowCodec.build(spec, width, ...)`, which picks the kind's class (`FloatCodec`, `IntCodec`,
@@ -279,14 +293,6 @@ class RowCodec(ABC):
         if spec.kind == FP8:
             return Fp8Codec(layout, clip_lo, clip_hi, fp8_scale)
         return (FloatCodec if spec.is_float else IntCodec)(layout, clip_lo, clip_hi)
-
-    @property
-    def width(self) -> int:
-        return self.layout.width
-
-    @property
-    def row_bytes(self) -> int:
-        return self.layout.row_bytes
 
     def _clip_bounds(self, lo: Tensor | None, hi: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
         if lo is None and hi is None:
@@ -521,21 +527,13 @@ def _relative_error(xq: Tensor, x: Tensor, reduction: str) -> Tensor | float:
     return rel if reduction == "none" else rel.mean().item()
 
 
-class LayerCodec:
+class LayerCodec(_LaidOut):
     """One layer's row = [c_kv part | k_pe part], concatenated bytes; `layout` (a `RowLayout`) places
     the parts (k_pe part at byte `layout.kpe_offset`)."""
 
     def __init__(self, ckv: RowCodec, kpe: RowCodec) -> None:
         self.ckv, self.kpe = ckv, kpe
         self.layout = RowLayout(ckv.layout, kpe.layout)
-
-    @property
-    def width(self) -> int:
-        return self.layout.width
-
-    @property
-    def row_bytes(self) -> int:
-        return self.layout.row_bytes
 
     @staticmethod
     def from_names(

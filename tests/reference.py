@@ -11,6 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mlaquant.int8_quant import quantize_activation
+
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
 
 def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     """Torch mirror of the kernel's query quantization: [..., W] -> (int8 [..., W], fp32 scales [..., W/G]).
@@ -57,3 +61,34 @@ def merge_error_bound(n_chunks: int, values: Tensor) -> Tensor:
     v = values.float()
     spread = v.amax(0) - v.amin(0)
     return (n_chunks - 1) * 2.0**-11 * (1 + 2.0**-10) * spread + n_chunks * 2.0**-20 * v.abs().amax(0)
+
+
+def int8_gemm_reference(
+    x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: torch.dtype = torch.float16,
+    outlier_threshold: float | None = None, w_fp: Tensor | None = None,
+) -> Tensor:
+    """Torch reference of `int8_gemm` (same arguments, same arithmetic; the INT32 sums are exact in FP64)."""
+    from mlaquant.kernels import int8_gemm as G  # lazily: tests set TRITON_INTERPRET before triton loads
+
+    G.check_gemm_args(x, w_int8, w_scale, out_dtype, w_fp)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    x8, sx, cols = quantize_activation(x2, outlier_threshold)
+    acc = (x8.double() @ w_int8.double().T).float()  # exact: |sum| < 2^31 << 2^53
+    y = acc * sx.unsqueeze(1) * w_scale.unsqueeze(0)
+    extra = G.outlier_product(x2, w_int8, w_scale, cols, w_fp) if outlier_threshold is not None else None
+    if extra is not None:
+        y = y + extra
+    return y.to(out_dtype).reshape(*lead, w_int8.shape[0])
+
+
+def int8_gemm_error_bound(x: Tensor, w: Tensor, w_int8: Tensor, w_scale: Tensor, y: Tensor) -> Tensor:
+    """The docstring's bound on |y − x·wᵀ| [M, N] (no outlier columns): x [M, K], w [N, K] the FP weight that
+    was quantized to (w_int8, w_scale), y the kernel's output."""
+    x32 = x.reshape(-1, x.shape[-1]).float()
+    w_hat = w_int8.float() * w_scale.unsqueeze(1)
+    sx = x32.abs().amax(1) / 127.0
+    quant = 0.5 * w_scale.unsqueeze(0) * x32.abs().sum(1, keepdim=True)
+    quant = quant + 0.5 * sx.unsqueeze(1) * w_hat.abs().sum(1)
+    epilogue = 2.0**-20 * (x32.abs() @ w_hat.abs().T)
+    return quant + UNIT_ROUNDOFF[y.dtype] * y.float().abs().reshape(quant.shape) + epilogue
