@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -317,3 +318,28 @@ def test_measures_on_the_recorded_test_data_or_asks_for_test_data(ckpt, fp8_plan
     assert _export(bare, ckpt, tmp_path / "out", "--test-data", str(split_path("test"))) == 0
     report = json.loads((tmp_path / "out/mlaquant_export.json").read_text())
     assert report["measured"]["data"] == str(split_path("test"))
+
+
+def test_model_defaults_to_the_plans_own_when_its_fingerprint_matches(ckpt, fp8_plan, tmp_path, synthetic, capsys):
+    plan = Plan.load(fp8_plan)
+    assert plan.settings["model"] == str(ckpt)
+    assert main(["export", "--plan", str(fp8_plan), "--out", str(tmp_path / "served")]) == 0
+    report = json.loads((tmp_path / "served" / "mlaquant_export.json").read_text())
+    assert report["model"] == str(ckpt)
+    assert os.path.samefile(
+        tmp_path / "served" / "model-00001-of-00002.safetensors", ckpt / "model-00001-of-00002.safetensors"
+    )
+    capsys.readouterr()
+
+    other = synthetic(tmp_path / "other", 3, shards=2, seed=1)  # same shapes, other weights
+    cases = {
+        str(other): r"--model defaults to the model .* was calibrated on, but plan fingerprint \w+ does not match",
+        str(tmp_path / "gone"): r"--model defaults to the model .* was calibrated on, .*gone: not found",
+        "": "the plan records no model it was calibrated on; pass --model",
+    }
+    for recorded, message in cases.items():
+        variant = _variant(fp8_plan, tmp_path, f"v{len(recorded)}", settings={**plan.settings, "model": recorded})
+        assert main(["export", "--plan", str(variant), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and re.search(message, err), err
+        assert not (tmp_path / "o").exists()
