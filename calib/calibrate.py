@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import resource
 import sys
@@ -599,12 +600,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="load one decoder layer at a time (peak memory ≈ one layer + activations; same plan)",
     )
+    p.add_argument("--json", action="store_true", help="print one JSON summary on stdout (the table goes to stderr)")
+
+
+def json_summary(plan: Plan, model: MLAModel | StreamedModel, report: dict, out: Path) -> dict:
+    """What `calibrate --json` prints: the plan per layer, its size, the measured splits, timings."""
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    layers = [
+        {
+            **{k: getattr(lp, k) for k in ("ckv", "kpe", "clip", "rotate", "rotate_rope", "int8_matmul", "loss")},
+            "layer": i,
+            "bytes_per_token": plan.layer_codec(i, d_c, d_r).row_bytes,
+        }
+        for i, lp in enumerate(plan.layers)
+    ]
+    return {
+        "plan": str(out),
+        "model": model.source,
+        "budget": plan.budget,
+        "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
+        "bytes_per_token": plan.bytes_per_token(d_c, d_r),
+        "layers": layers,
+        **{split: report[split] for split in ("validation", "test") if split in report},
+        "fallbacks": len(plan.fallbacks),
+        "seconds": report["seconds"],
+        "peak_rss_mib": report["peak_rss_mib"],
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     from mlaquant.loader import load_model
 
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     base = load_config(CalibrateConfig, args.config, "calibrate.yaml")
     overrides = {
         k: v
@@ -619,8 +645,12 @@ def run(args: argparse.Namespace) -> int:
     }
     cfg = load_config(CalibrateConfig, {**to_dict(base), **overrides}, "calibrate.yaml")
     model = StreamedModel(args.model) if args.stream else load_model(args.model)
-    plan, report = calibrate(model, cfg, args.data, args.val_data, args.test_data)
+    plan, report = calibrate(model, cfg, args.data, args.val_data, args.test_data, quiet=args.quiet)
     out = plan.save(args.out)
-    print(summary_table(plan, model, report))
-    print(f"plan written to {out}/plan.yaml (+ scales.safetensors)")
+    human = sys.stderr if args.json else sys.stdout
+    if not (args.json and args.quiet):
+        print(summary_table(plan, model, report), file=human)
+        print(f"plan written to {out}/plan.yaml (+ scales.safetensors)", file=human)
+    if args.json:
+        print(json.dumps(json_summary(plan, model, report, out)))
     return 0

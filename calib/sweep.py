@@ -540,7 +540,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per test sample (default 512)")
     p.add_argument("--config", default=None, help="sweep YAML (default: configs/sweep.yaml)")
     p.add_argument("--out", default="sweep", help="output directory (default: ./sweep)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -202,9 +202,9 @@ PUBLISHED_SHAPES = [("DeepSeek-V3 / R1", 128, 512, 64, 128, 128), ("DeepSeek-V2-
 
 def memory_table(model_path: str | None) -> str:
     """Markdown: FP16 cache bytes per token per layer, MLA latent vs MHA per-head K/V."""
-    from mlaquant.loader import default_model_path, read_config
+    from mlaquant.loader import read_config, resolve_model_path
 
-    path = Path(model_path) if model_path else default_model_path()
+    path = resolve_model_path(model_path)
     cfg = read_config(path)
     shapes = [
         *PUBLISHED_SHAPES,

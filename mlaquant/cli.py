@@ -6,14 +6,19 @@ that subcommand runs) names `mlaquant.calib.calibrate` and `mlaquant.calib.sweep
 from `mlaquant/` up into `calib/` (tests/test_layering.py checks that no import statement makes one).
 Errors that users can fix (bad paths, bad configs, mismatched plans) are `MLAQuantError`s and print
 as one line with exit code 2; `--debug` shows the traceback instead.
+
+Global flags (before or after the subcommand): `--quiet` (warnings only, no progress bars),
+`--verbose` (debug logging); log records go to stderr. `python -m mlaquant` runs the same `main`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
+from mlaquant import __version__
 from mlaquant.errors import MLAQuantError
 
 # subcommand -> (module, one-line help)
@@ -27,13 +32,45 @@ SUBCOMMANDS = {
 }
 
 
+def _add_verbosity(p: argparse.ArgumentParser, default) -> None:
+    """--quiet / --verbose; subcommand copies default to SUPPRESS so they never reset the global value."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("-q", "--quiet", action="store_true", default=default, help="warnings only, no progress bars")
+    group.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging")
+
+
+class StderrHandler(logging.StreamHandler):
+    """Log records to whatever `sys.stderr` is when they are emitted (not the stream at creation)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """Root level from --quiet / --verbose, and one StderrHandler on the root logger."""
+    root = logging.getLogger()
+    root.setLevel(logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO)
+    if not any(isinstance(h, StderrHandler) for h in root.handlers):
+        handler = StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        root.addHandler(handler)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlaquant", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"mlaquant {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    _add_verbosity(parser, False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)
+        _add_verbosity(p, argparse.SUPPRESS)
         if name == wanted:
             mod = importlib.import_module(module)
             mod.add_arguments(p)
@@ -48,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    configure_logging(args)
     try:
         return int(args._run(args) or 0)
     except (MLAQuantError, FileNotFoundError, ValueError) as e:

@@ -22,15 +22,26 @@ the plan's budget is refused unless `--force`.
 Output (written atomically to a temp dir, then renamed): every top-level file of the model directory
 (safetensors hard-linked, or symlinked across file systems, or copied with `--copy`), plus
 
-    kv_cache_scales.safetensors   model.layers.{i}.self_attn.k_scale / v_scale, float32 [1] (k = v)
+    kv_cache_scales.safetensors   per layer i, float32 [1], all four equal (k = v):
+                                    model.layers.{i}.self_attn.k_proj.k_scale / v_proj.v_scale (read by the engines)
+                                    model.layers.{i}.self_attn.k_scale / v_scale (compressed-tensors' own names)
     model.safetensors.index.json  the source index + the scale tensors
     config.json                   + quantization_config.kv_cache_scheme (compressed-tensors):
                                   {num_bits: 8, type: float, strategy: tensor, symmetric, static}
     mlaquant_export.json          per-layer scales and mapping, measured losses, engine notes
 
-Scale names follow compressed-tensors / llm-compressor; both engines remap `...self_attn.k_scale`
-onto their attention layer. Interleaved-RoPE checkpoints: mlaquant caches k_pe de-interleaved
-([even | odd] channels); a per-layer scalar scale does not depend on channel order.
+Scale names, read from the engines' DeepSeek loaders (ENGINE_SCALE_NAMES; versions in
+ENGINE_VERSIONS). vLLM: `DeepseekV2Model.load_weights` (vllm/model_executor/models/deepseek_v2.py)
+passes kv-scale names to `maybe_remap_kv_scale_name` (vllm/model_executor/model_loader/weight_utils.py);
+the MLA layer's parameters are `self_attn.mla_attn.mla_attn.{k,v}_scale`, reached only from the exact
+name or from the ModelOpt form `self_attn.{k,v}_proj.{k,v}_scale`; `self_attn.k_scale` is remapped to
+`self_attn.attn.k_scale`, which MLA does not have: it is dropped with a warning. SGLang:
+`DeepseekV2WeightLoaderMixin.do_load_weights` (sglang/srt/models/deepseek_common/deepseek_weight_loader.py)
+rewrites `{k,v}_proj` to `attn_mqa` in a scale name it does not know, so `self_attn.k_proj.k_scale` →
+`self_attn.attn_mqa.k_scale` (the MLA RadixAttention) and `self_attn.k_scale` is dropped ("not found in
+params_dict"). Hence the `{k,v}_proj` names; the compressed-tensors names stay for tools that read that
+format. Interleaved-RoPE checkpoints: mlaquant caches k_pe de-interleaved ([even | odd] channels); a
+per-layer scalar scale does not depend on channel order.
 """
 
 from __future__ import annotations
@@ -58,9 +69,21 @@ KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmet
 _REWRITTEN = ("config.json", "model.safetensors.index.json", SCALES_FILE, REPORT_FILE)
 
 
-def scale_names(i: int) -> tuple[str, str]:
-    """Checkpoint names of layer i's KV-cache scales."""
-    return f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale"
+# the engine releases whose DeepSeek weight loaders the names below were read from
+ENGINE_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
+# checkpoint name of a layer's scale → the engines that load it onto MLA attention
+ENGINE_SCALE_NAMES = {
+    "model.layers.{i}.self_attn.k_proj.k_scale": ("vllm", "sglang"),
+    "model.layers.{i}.self_attn.v_proj.v_scale": ("vllm", "sglang"),
+    "model.layers.{i}.self_attn.k_scale": (),  # compressed-tensors' name; both engines drop it for MLA
+    "model.layers.{i}.self_attn.v_scale": (),
+}
+SCALE_SUFFIXES = tuple(n.split("{i}.")[1] for n in ENGINE_SCALE_NAMES) + ("self_attn.kv_scale",)
+
+
+def scale_names(i: int) -> list[str]:
+    """Checkpoint names of layer i's KV-cache scales (all hold the same value: V is a view of c_kv)."""
+    return [n.format(i=i) for n in ENGINE_SCALE_NAMES]
 
 
 @dataclasses.dataclass
@@ -168,8 +191,7 @@ def _place(src: Path, dst: Path, copy: bool) -> None:
 def source_weight_map(model_dir: Path) -> tuple[dict[str, str], int]:
     """The checkpoint's tensor → file map and total size; refuses one that already has KV-cache scales."""
     weight_map, total = _weight_map(model_dir)
-    suffixes = ("self_attn.k_scale", "self_attn.v_scale", "self_attn.kv_scale")
-    present = [n for n in weight_map if n.endswith(suffixes)]
+    present = [n for n in weight_map if n.endswith(SCALE_SUFFIXES)]
     if present:
         raise CheckpointError(
             f"{model_dir}: already carries KV-cache scales ({present[0]} in {weight_map[present[0]]}); "
@@ -191,9 +213,8 @@ def write_export(
                 _place(src, tmp / src.name, copy)
         tensors = {}
         for lx in layers:
-            k, v = scale_names(lx.layer)
-            tensors[k] = torch.tensor([lx.k_scale], dtype=torch.float32)
-            tensors[v] = tensors[k].clone()
+            for name in scale_names(lx.layer):
+                tensors[name] = torch.tensor([lx.k_scale], dtype=torch.float32)
         save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "mlaquant export"})
         weight_map.update(dict.fromkeys(tensors, SCALES_FILE))
         meta = {"total_size": total + 4 * len(tensors)}
@@ -246,18 +267,40 @@ def measure(model, plan: Plan, scales: list[float], args: argparse.Namespace) ->
     }
 
 
+def plan_model_dir(plan: Plan, plan_dir: Path, model: str | None) -> Path:
+    """The checkpoint directory to export: `model` (a directory or Hugging Face id), else the one the plan
+    records (`settings.model`, what it was calibrated on; its fingerprint is checked by the caller)."""
+    from mlaquant.loader import resolve_model_path
+
+    if model is not None:
+        return resolve_model_path(model)
+    recorded = plan.settings.get("model")
+    if not recorded:
+        raise PlanError(f"{plan_dir}: the plan records no model it was calibrated on; pass --model")
+    path = resolve_model_path(recorded)
+    if not path.is_dir():
+        raise CheckpointError(f"--model defaults to the model {plan_dir} was calibrated on, {path}: not found")
+    return path
+
+
 def export(args: argparse.Namespace) -> dict:
     """The whole command; returns the report written as mlaquant_export.json."""
     from mlaquant.stream import StreamedModel
 
     if args.format not in FORMATS:
         raise MLAQuantError(f"--format {args.format!r} unknown (known: {', '.join(FORMATS)})")
-    plan_dir, model_dir, out = Path(args.plan), Path(args.model), Path(args.out)
+    plan_dir, out = Path(args.plan), Path(args.out)
     plan = Plan.load(plan_dir)
+    model_dir = plan_model_dir(plan, plan_dir, args.model)
     _check_out(out, model_dir, plan_dir)
     model = StreamedModel(model_dir)
     source_weight_map(model_dir)
-    plan.check_model(model)
+    try:
+        plan.check_model(model)
+    except PlanError as e:
+        if args.model is not None:
+            raise
+        raise PlanError(f"--model defaults to the model {plan_dir} was calibrated on, but {e}; pass --model") from e
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     layers = engine_scales(plan, d_c, d_r, args.map_to_fp8)
     metrics = measure(model, plan, [lx.k_scale for lx in layers], args)
@@ -273,13 +316,16 @@ def export(args: argparse.Namespace) -> dict:
         "plan": str(plan_dir),
         "model": str(model_dir),
         "budget": budget,
+        "scale_names": {n: list(engines) for n, engines in ENGINE_SCALE_NAMES.items()},
         "plan_test": plan.metrics.get("test"),
         "measured": metrics,
         "layers": [dataclasses.asdict(lx) for lx in layers],
         "engines": {
-            "vllm": "--kv-cache-dtype fp8: writes x / k_scale as e4m3 (c_kv and k_pe), reads q × k_scale",
-            "sglang": "--kv-cache-dtype fp8_e4m3: loads the scales; its generic MLA pool casts rows at "
-            "scale 1.0 (see measured.scale_1) — only backends that fold k_scale in apply it",
+            "vllm": f"{ENGINE_VERSIONS['vllm']}, --kv-cache-dtype fp8: loads self_attn.k_proj.k_scale onto "
+            "self_attn.mla_attn.mla_attn.k_scale; writes x / k_scale as e4m3 (c_kv and k_pe), reads × k_scale",
+            "sglang": f"{ENGINE_VERSIONS['sglang']}, --kv-cache-dtype fp8_e4m3: loads self_attn.k_proj.k_scale "
+            "onto self_attn.attn_mqa.k_scale; its generic MLA pool casts rows at scale 1.0 (see "
+            "measured.scale_1) — only backends that fold k_scale in apply it",
         },
     }
     written, note = write_export(model_dir, out, layers, report, args.copy)
@@ -289,7 +335,11 @@ def export(args: argparse.Namespace) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="plan directory from `mlaquant calibrate`")
-    p.add_argument("--model", required=True, help="the checkpoint directory the plan was calibrated on")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory or Hugging Face id (default: the one the plan was calibrated on)",
+    )
     p.add_argument("--format", default="compressed-tensors", help="output format (compressed-tensors)")
     p.add_argument("--out", required=True, help="directory to write (a model directory for vLLM / SGLang)")
     p.add_argument("--map-to-fp8", action="store_true", help="export other codecs as fp8 (loss measured)")

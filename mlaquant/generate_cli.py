@@ -1,8 +1,15 @@
-"""`mlaquant generate`: complete a prompt with the latent-cache decoder and report tokens/s."""
+"""`mlaquant generate`: complete a prompt with the latent-cache decoder and report tokens/s.
+
+Stops when every sequence has produced an end-of-sequence id of the model's config (`--ignore-eos`
+decodes all `--max-new-tokens`). `--json` prints one JSON object on stdout (`json_summary`) and the
+human-readable lines on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import time
 
 from mlaquant.errors import MLAQuantError
@@ -23,6 +30,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="runtime guard YAML (default: configs/guard.yaml); it acts on calibrated plans only",
     )
     p.add_argument("--no-guard", action="store_true", help="decode without the runtime guard")
+    p.add_argument("--ignore-eos", action="store_true", help="keep decoding past an end-of-sequence token")
+    p.add_argument("--json", action="store_true", help="print one JSON summary on stdout (human text to stderr)")
+
+
+def json_summary(args: argparse.Namespace, model, prompt: list[int], new: list[int], seconds: float, guard) -> dict:
+    """What `generate --json` prints: prompt and completion (text and ids), why it stopped, speed, guard events."""
+    return {
+        "model": model.source,
+        "plan": args.plan,
+        "prompt": args.prompt,
+        "completion": model.tokenizer.decode(new),
+        "prompt_tokens": len(prompt),
+        "tokens": new,
+        "new_tokens": len(new),
+        "stopped_at_eos": bool(new) and new[-1] in model.cfg.eos_ids and not args.ignore_eos,
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(len(new) / seconds, 2) if seconds > 0 else None,
+        "guard": None
+        if guard is None
+        else {"fallback_events": len(guard.fallback_events), "recalibrations": len(guard.recalibrations)},
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,17 +75,24 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         plan=args.plan,
         backend=args.backend,
+        stop_at_eos=not args.ignore_eos,
         guard=guard,
     )[0]
     elapsed = time.perf_counter() - start
-    print(args.prompt + model.tokenizer.decode(new))
-    print(
-        f"-- {len(new)} tokens in {elapsed:.2f} s: {len(new) / elapsed:.1f} tokens/s "
-        f"(prompt {len(prompt)} tokens, plan {args.plan}, incl. prefill)"
-    )
-    if guard is not None:
+    human = sys.stderr if args.json else sys.stdout
+    if not (args.json and args.quiet):
+        print(args.prompt + model.tokenizer.decode(new), file=human)
         print(
-            f"-- guard: {len(guard.fallback_events)} fallback event(s), {len(guard.recalibrations)} clip-range "
-            "re-estimation(s)"
+            f"-- {len(new)} tokens in {elapsed:.2f} s: {len(new) / elapsed:.1f} tokens/s "
+            f"(prompt {len(prompt)} tokens, plan {args.plan}, incl. prefill)",
+            file=human,
         )
+        if guard is not None:
+            print(
+                f"-- guard: {len(guard.fallback_events)} fallback event(s), {len(guard.recalibrations)} clip-range "
+                "re-estimation(s)",
+                file=human,
+            )
+    if args.json:
+        print(json.dumps(json_summary(args, model, prompt, new, elapsed, guard)))
     return 0

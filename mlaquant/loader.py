@@ -7,11 +7,16 @@ accepted per expert (`mlp.experts.{e}.gate_proj.weight`, the official layout) or
 scales (`weight_scale_inv`, official DeepSeek-V3/R1) are dequantized on the fly. Pickle checkpoints
 (`.bin`, `.pt`) are refused, never unpickled. Every problem raises `CheckpointError` naming the file,
 tensor and shapes.
+
+`resolve_model_path` is the one place a model argument becomes a directory: None (the bundled
+model), an existing path, or a Hugging Face model id (`org/name`, not an existing path) resolved by
+`huggingface_hub.snapshot_download`, which honours `HF_HUB_OFFLINE`, `HF_HOME` / `HF_HUB_CACHE`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -24,11 +29,39 @@ from mlaquant.model import MLAConfig, MLAModel, RotaryEmbedding
 
 FP8_BLOCK = 128
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+HUB_FILES = ["*.json", "*.safetensors"]  # config, index, tokenizer, weights: never pickles
 
 
 def default_model_path() -> Path:
     """Directory of the bundled model shipped as package data."""
     return Path(str(resources.files("mlaquant").joinpath("assets/default_model")))
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """A model argument → its checkpoint directory: None → the bundled model; an existing path → itself;
+    `org/name` that is not an existing path → its Hugging Face Hub snapshot (downloaded, or from the local
+    cache; offline and not cached is a CheckpointError naming the id). Anything else is returned as a
+    Path, for the caller's "model directory not found"."""
+    if model is None:
+        return default_model_path()
+    path = Path(model)
+    if path.exists() or not HUB_ID.fullmatch(str(model)):
+        return path
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(snapshot_download(str(model), allow_patterns=HUB_FILES))
+    except (OSError, ValueError) as e:
+        if constants.HF_HUB_OFFLINE:
+            raise CheckpointError(
+                f"model '{model}': not a local directory and not in the Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set"
+            ) from e
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"model '{model}': not a local directory; Hugging Face Hub download failed ({first})"
+        ) from e
 
 
 def read_config(path: Path) -> MLAConfig:
@@ -161,22 +194,21 @@ def read_parameter(reader: TensorReader, cfg: MLAConfig, name: str, shape: tuple
     else:
         hf = _hf_name(name)
         t = reader.get(hf)
-        if cfg.rope_interleave:
-            t = _deinterleave_rope(cfg, name, t)
     if tuple(t.shape) != tuple(shape):
         raise CheckpointError(
             f"{where}: tensor '{hf}' has shape {tuple(t.shape)}, expected {tuple(shape)} from config.json"
         )
-    return t
+    # after the shape check: the permutation indexes rows that a mis-shaped tensor does not have
+    return _deinterleave_rope(cfg, name, t) if cfg.rope_interleave else t
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> MLAModel:
-    """Load a DeepSeek-V2/V3 checkpoint directory (None: the bundled model) as an `MLAModel`."""
-    if path is None:
-        path = default_model_path()
-        if not (path / "config.json").is_file():
-            raise CheckpointError(f"bundled model not found at {path}; train it with `mlaquant train` or pass a path")
-    path = Path(path)
+    """Load a DeepSeek-V2/V3 checkpoint (a directory, a Hugging Face model id, None: the bundled model)
+    as an `MLAModel`."""
+    bundled = path is None
+    path = resolve_model_path(path)
+    if bundled and not (path / "config.json").is_file():
+        raise CheckpointError(f"bundled model not found at {path}; train it with `mlaquant train` or pass a path")
     if not path.is_dir():
         raise CheckpointError(f"{path}: model directory not found")
     cfg = read_config(path)

@@ -39,7 +39,7 @@ from torch import nn
 from mlaquant.codecs import LayerCodec
 from mlaquant.errors import CheckpointError
 from mlaquant.eval import Evaluator, fake_quant_hook
-from mlaquant.loader import TensorReader, default_model_path, read_config, read_parameter, weight_files
+from mlaquant.loader import TensorReader, read_config, read_parameter, resolve_model_path, weight_files
 from mlaquant.model import DecoderLayer, MLAModel, RMSNorm, RotaryEmbedding, weights_fingerprint, with_latent_rotation
 
 DEFAULT_SPILL_BYTES = 1 << 30
@@ -150,7 +150,7 @@ class StreamedModel:
         spill_bytes: int = DEFAULT_SPILL_BYTES,
         spill_dir: str | Path | None = None,
     ) -> None:
-        path = Path(path) if path is not None else default_model_path()
+        path = resolve_model_path(path)
         if not path.is_dir():
             raise CheckpointError(f"{path}: model directory not found")
         self.path = path

@@ -3,8 +3,10 @@
 Pinned from the engines (compressed-tensors 0.20 and vLLM's CompressedTensorsKVCacheMethod):
 - `quantization_config.kv_cache_scheme` = {num_bits: 8, type: float, strategy: tensor, symmetric: true,
   dynamic: false}; vLLM refuses any other type/num_bits, a strategy other than "tensor", or asymmetric.
-- per-layer scales `model.layers.{i}.self_attn.k_scale` / `v_scale`, float32 of shape (1,) (what
-  compressed-tensors registers for the tensor strategy; engines fill their scalar from it).
+- per-layer scales float32 of shape (1,) (what compressed-tensors registers for the tensor strategy;
+  engines fill their scalar from it) under the names the engines' DeepSeek loaders map onto MLA attention
+  (`self_attn.k_proj.k_scale` / `v_proj.v_scale`, vLLM 0.33.0 and SGLang 0.5.23, restated below) and
+  compressed-tensors' own `self_attn.k_scale` / `v_scale`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -25,7 +28,7 @@ from mlaquant.cli import main
 from mlaquant.codecs import FP8_MAX, fp8_static_scale
 from mlaquant.errors import CheckpointError, MLAQuantError, PlanError
 from mlaquant.eval import Evaluator
-from mlaquant.export import KV_CACHE_SCHEME, engine_codecs, quantization_config
+from mlaquant.export import ENGINE_SCALE_NAMES, ENGINE_VERSIONS, KV_CACHE_SCHEME, engine_codecs, quantization_config
 from mlaquant.loader import load_model
 from mlaquant.plan import LayerPlan, Plan
 from mlaquant.samples import token_samples
@@ -69,6 +72,74 @@ def _test_tokens(tokenizer, settings: dict) -> torch.Tensor:
     return token_samples(tokenizer, split_path("test"), s["test_samples"], s["seq_len"], s["seed"] + 2, 256)
 
 
+ENGINE_NAMES = ["k_proj.k_scale", "v_proj.v_scale"]  # under model.layers.{i}.self_attn.
+CT_NAMES = ["k_scale", "v_scale"]  # compressed-tensors' own
+
+
+def vllm_remap(name: str, params: set[str]) -> str | None:
+    """vLLM 0.33.0 for a DeepSeek MLA checkpoint: AutoWeightsLoader strips `model.`, then
+    DeepseekV2Model.load_weights → maybe_remap_kv_scale_name (weight_utils.py), restated for the patterns
+    a `self_attn.*scale` name can meet (`mla_attn` is in the parameter names, so attn_str is
+    "mla_attn.mla_attn" in the ModelOpt pattern only). None: dropped with a warning."""
+    import re
+
+    name = name.removeprefix("model.")
+    if name in params:
+        return name
+    if name.endswith(".kv_scale"):
+        remapped = name.replace(".kv_scale", ".attn.k_scale")
+        return remapped if remapped in params else None
+    for pattern, repl in (
+        (r"\.self_attn\.([kv])_proj\.([kv])_scale$", r".self_attn.mla_attn.mla_attn.\2_scale"),
+        (r"\.self_attn\.qkv_proj\.([kv])_scale$", r".self_attn.attn.\1_scale"),
+        (r"\.([qkv])_scale$", r".attn.\1_scale"),
+    ):
+        if re.search(pattern, name):
+            remapped = re.sub(pattern, repl, name)
+            return remapped if remapped in params else None
+    return name
+
+
+def sglang_remap(name: str, params: set[str]) -> str | None:
+    """SGLang 0.5.23, DeepseekV2WeightLoaderMixin.do_load_weights (deepseek_common/deepseek_weight_loader.py):
+    a k/v scale name not among the parameters has `{k,v}_proj` replaced by `attn_mqa`; still unknown → dropped."""
+    if ("k_scale" in name or "v_scale" in name) and name not in params:
+        scale = "k_scale" if "k_scale" in name else "v_scale"
+        name = name.replace(f"{scale[0]}_proj", "attn_mqa")
+    return name if name in params else None
+
+
+def test_scale_names_load_onto_mla_attention_in_vllm_and_sglang():
+    """Each exported name, through each engine's DeepSeek loader, lands on that layer's MLA attention scale
+    (vLLM: MLAAttention at self_attn.mla_attn.mla_attn; SGLang: RadixAttention attn_mqa) — or is dropped
+    where ENGINE_SCALE_NAMES says no engine reads it."""
+    assert ENGINE_VERSIONS == {"vllm": "0.33.0", "sglang": "0.5.23"}
+    layer = 7
+    vllm_params = {f"layers.{layer}.self_attn.mla_attn.mla_attn.{x}_scale" for x in "qkv"}
+    sglang_params = {f"model.layers.{layer}.self_attn.{a}.{x}_scale" for a in ("attn_mqa", "attn_mha") for x in "kv"}
+    expected = {
+        "vllm": lambda x: f"layers.{layer}.self_attn.mla_attn.mla_attn.{x}_scale",
+        "sglang": lambda x: f"model.layers.{layer}.self_attn.attn_mqa.{x}_scale",
+    }
+    remaps = {"vllm": (vllm_remap, vllm_params), "sglang": (sglang_remap, sglang_params)}
+    loaded = {"vllm": set(), "sglang": set()}
+    for template, engines in ENGINE_SCALE_NAMES.items():
+        name = template.format(i=layer)
+        kind = name[-7]  # "k" or "v" of {k,v}_scale
+        for engine, (remap, params) in remaps.items():
+            target = remap(name, params)
+            if engine in engines:
+                assert target == expected[engine](kind), (engine, name, target)
+                loaded[engine].add(kind)
+            else:
+                assert target is None, (engine, name, target)
+    assert loaded == {"vllm": {"k", "v"}, "sglang": {"k", "v"}}  # both scales reach both engines
+    assert [n.format(i=layer) for n in ENGINE_SCALE_NAMES] == export_module.scale_names(layer)
+    assert set(export_module.scale_names(layer)) == {
+        f"model.layers.{layer}.self_attn.{x}" for x in ENGINE_NAMES + CT_NAMES
+    }
+
+
 def vllm_accepts(scheme: dict) -> bool:
     """vLLM's CompressedTensorsKVCacheMethod.validate_kv_cache_scheme, restated."""
     return (
@@ -90,10 +161,10 @@ def test_export_round_trip(ckpt, fp8_plan, tmp_path, capsys):
     scales = []
     with safe_open(out / "kv_cache_scales.safetensors", "pt") as f:
         names = set(f.keys())
-        assert names == {f"model.layers.{i}.self_attn.{k}_scale" for i in range(n) for k in "kv"}
+        assert names == {f"model.layers.{i}.self_attn.{name}" for i in range(n) for name in ENGINE_NAMES + CT_NAMES}
         for i, lp in enumerate(plan.layers):
-            k, v = (f.get_tensor(f"model.layers.{i}.self_attn.{x}_scale") for x in "kv")
-            assert k.dtype == torch.float32 and k.shape == (1,) and torch.equal(k, v)
+            k, *others = (f.get_tensor(f"model.layers.{i}.self_attn.{x}") for x in ENGINE_NAMES + CT_NAMES)
+            assert k.dtype == torch.float32 and k.shape == (1,) and all(torch.equal(k, o) for o in others)
             key = "clip" if lp.clip else "range"  # the range the plan calibrated: clip bounds, else min/max
             lo, hi = plan.tensors[f"layer{i}.{key}_lo"], plan.tensors[f"layer{i}.{key}_hi"]
             absmax = torch.maximum(lo.abs(), hi.abs()).max()  # over c_kv AND k_pe
@@ -247,3 +318,28 @@ def test_measures_on_the_recorded_test_data_or_asks_for_test_data(ckpt, fp8_plan
     assert _export(bare, ckpt, tmp_path / "out", "--test-data", str(split_path("test"))) == 0
     report = json.loads((tmp_path / "out/mlaquant_export.json").read_text())
     assert report["measured"]["data"] == str(split_path("test"))
+
+
+def test_model_defaults_to_the_plans_own_when_its_fingerprint_matches(ckpt, fp8_plan, tmp_path, synthetic, capsys):
+    plan = Plan.load(fp8_plan)
+    assert plan.settings["model"] == str(ckpt)
+    assert main(["export", "--plan", str(fp8_plan), "--out", str(tmp_path / "served")]) == 0
+    report = json.loads((tmp_path / "served" / "mlaquant_export.json").read_text())
+    assert report["model"] == str(ckpt)
+    assert os.path.samefile(
+        tmp_path / "served" / "model-00001-of-00002.safetensors", ckpt / "model-00001-of-00002.safetensors"
+    )
+    capsys.readouterr()
+
+    other = synthetic(tmp_path / "other", 3, shards=2, seed=1)  # same shapes, other weights
+    cases = {
+        str(other): r"--model defaults to the model .* was calibrated on, but plan fingerprint \w+ does not match",
+        str(tmp_path / "gone"): r"--model defaults to the model .* was calibrated on, .*gone: not found",
+        "": "the plan records no model it was calibrated on; pass --model",
+    }
+    for recorded, message in cases.items():
+        variant = _variant(fp8_plan, tmp_path, f"v{len(recorded)}", settings={**plan.settings, "model": recorded})
+        assert main(["export", "--plan", str(variant), "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and re.search(message, err), err
+        assert not (tmp_path / "o").exists()

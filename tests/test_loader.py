@@ -53,6 +53,29 @@ def test_missing_and_misshaped_tensor(make_checkpoint):
         load_model(path)
 
 
+@pytest.mark.parametrize(
+    "name", ["model.layers.0.self_attn.kv_a_proj_with_mqa.weight", "model.layers.2.self_attn.q_proj.weight"]
+)
+@pytest.mark.parametrize("shape", [(5, 7), (3,)])
+def test_misshaped_rope_permuted_tensor_is_one_line(make_checkpoint, name, shape):
+    """With rope_interleave on, RoPE rows are permuted at load: a mis-shaped tensor must fail on its shape
+    (naming it and both shapes), not inside the permutation with an IndexError / RuntimeError."""
+    _, path = make_checkpoint(3, q_lora_rank=None)
+    assert json.loads((path / "config.json").read_text()).get("rope_interleave", True)
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    good_shape = tuple(tensors[name].shape)
+    tensors[name] = torch.zeros(shape)
+    save_file(tensors, file)
+    expected = rf"'{name}' has shape \({', '.join(map(str, shape))},?\), expected \({good_shape[0]}, {good_shape[1]}\)"
+    with pytest.raises(CheckpointError, match=expected):
+        load_model(path)
+    from mlaquant.stream import StreamedModel
+
+    with pytest.raises(CheckpointError, match=expected):
+        StreamedModel(path).load_layer(int(name.split(".")[2]))
+
+
 def test_truncated_safetensors(make_checkpoint):
     _, path = make_checkpoint(3)
     file = path / "model.safetensors"
