@@ -6,15 +6,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import lm_eval
 import pytest
 import torch
 
-lm_eval = pytest.importorskip("lm_eval")
-
-from mlaquant.errors import MLAQuantError  # noqa: E402
-from mlaquant.harness import MLAQuantLM, main  # noqa: E402
-from mlaquant.loader import load_model  # noqa: E402
-from mlaquant.session import DecodeSession, generate  # noqa: E402
+from mlaquant.errors import MLAQuantError
+from mlaquant.harness import MLAQuantLM, main
+from mlaquant.loader import load_model
+from mlaquant.session import DecodeSession, generate
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"  # three YAML tasks over mlaquant_code.jsonl (4 docs)
 PLAN = "int8"
