@@ -14,8 +14,9 @@ never read.
 
 Backends (`Backend`): "torch" is the FP32 reference in this file; "triton" is
 `mlaquant.kernels.mla_decode.mla_decode` (same signature without `backend`), on CUDA or on CPU under
-TRITON_INTERPRET=1; "auto" picks triton for CUDA tensors when the kernel imports and reads the codec
-(fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), else torch.
+TRITON_INTERPRET=1; "cpu" is the fast CPU path `mlaquant.cpu_decode.mla_decode_cpu` (integer scores, blocked
+P·V, its error bound in its docstring); "auto" picks triton for CUDA tensors when the kernel imports and
+reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors, else torch.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from mlaquant.codecs import LayerCodec
+from mlaquant.cpu_decode import mla_decode_cpu
 from mlaquant.errors import BackendError
 
 # op -> (module, function) of its Triton implementation
@@ -45,6 +47,7 @@ class Backend(str, enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    CPU = "cpu"
 
 
 def _triton_interpret() -> bool:
@@ -65,7 +68,8 @@ def load_kernel(op: str = "mla_decode"):
 
 
 def resolve_backend(backend: str | Backend, device: torch.device | str, op: str = "mla_decode") -> str:
-    """'torch' or 'triton' for `op` on tensors on `device`; an explicit backend that cannot run → BackendError."""
+    """'torch', 'triton' or 'cpu' for `op` on tensors on `device`; an explicit backend that cannot run →
+    BackendError."""
     try:
         backend = Backend(backend)
     except ValueError:
@@ -74,6 +78,10 @@ def resolve_backend(backend: str | Backend, device: torch.device | str, op: str 
     device = torch.device(device)
     if backend is Backend.TORCH:
         return Backend.TORCH.value
+    if backend is Backend.CPU or (backend is Backend.AUTO and device.type == "cpu"):
+        if device.type != "cpu":
+            raise BackendError(f"backend 'cpu' runs on CPU tensors only, got device '{device.type}'")
+        return Backend.CPU.value
     if backend is Backend.AUTO:
         if device.type != "cuda":
             return Backend.TORCH.value
@@ -137,10 +145,14 @@ def mla_decode(
     seq_lens: int32 [B] (tokens to attend per sequence, >= 1; 0 gives out 0 and lse -inf).
     Returns out [B, H, d_c] = softmax(q·[c_kv|k_pe]^T * scale) @ c_kv, float32, and
     lse [B, H] float32 (natural-log log-sum-exp of the scaled scores).
-    scratch: buffers the torch path reuses between calls (see `Scratch`); the Triton kernel needs none.
+    scratch: buffers the torch path reuses between calls (see `Scratch`); the Triton kernel and the cpu path
+    (cache-sized blocks) need none.
     """
     _check_args(q, pool, block_table, seq_lens, codec, d_c)
-    if resolve_backend(backend, q.device) == Backend.TRITON.value and (
+    resolved = resolve_backend(backend, q.device)
+    if resolved == Backend.CPU.value:
+        return mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale)
+    if resolved == Backend.TRITON.value and (
         Backend(backend) is not Backend.AUTO or _kernel_reads(codec, q.device)
     ):
         return load_kernel()(q, pool, block_table, seq_lens, codec, d_c, scale)

@@ -1,0 +1,251 @@
+"""Fast CPU decode attention over a paged, quantized latent cache: integer scores, blocked P·V, no FP32
+copy of the context. Same op and arguments as `mlaquant.ops.mla_decode` (backend "cpu"):
+
+    score[b, h, t] = scale * (q[b, h, :d_c] · c_kv[b, t] + q[b, h, d_c:] · k_pe[b, t])   t < seq_lens[b]
+    out[b, h]      = softmax_t(score[b, h]) @ c_kv[b]            lse[b, h] = logsumexp_t(score[b, h])
+
+Each sequence is read in blocks of `BLOCK_TOKENS` tokens (whole pages: a view of the pool when the pages
+are consecutive, else a copy of those pages only), so every decoded value lives in a cache-sized buffer
+and is used for the scores and for P·V before the next block is read; the softmax runs online across the
+blocks (FP32 running max and sum, flash-style), which measured faster than a two-pass scheme that reads
+the context twice (see README, "CPU decode").
+
+Scores of an integer part (int8/int4, sym/asym, any grouping). The query is quantized per (token, head,
+group) exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q8 = round_half_even(q /
+qs)); per group one int8 x int8 -> int32 `torch._int_mm` (oneDNN, VNNI where the CPU has it) of the
+block's codes with q8, exact; then in FP32 `qs * s * dot` (+ `qs * lo' * Σq8` for asymmetric groups).
+Codes enter the GEMM in the kernel's dot form: sym int8 as stored (a view, no copy), asym int8 as q − 128
+(one XOR of the byte with 0x80) with lo' = lo + 128 s, int4 nibbles unpacked to int8 (sym q − 8, asym q).
+A float part (fp16, bf16, fp32, fp8) is decoded by its codec into an FP32 block and multiplied in FP32.
+
+P·V of an integer c_kv part. The dot-form codes are integers of magnitude ≤ 255, exact in BF16, so the
+block's codes are converted to BF16 without rounding and the per-token, per-group scale is folded into
+the probabilities instead: P'[h, g, t] = p[h, t] · s[t, g] (FP32), rounded to BF16, then one BF16 x BF16
+GEMM per group with FP32 accumulation (+ Σ_t p[h, t] lo'[t, g] for asymmetric groups, FP32). On a CPU
+without AVX512-BF16 (or with `bf16_pv=False`) the block is dequantized to FP32 instead (`q * s (+ lo)`)
+and multiplied in FP32. A float c_kv part uses its FP32 block directly.
+
+Error against the FP32 reference (`mla_decode_reference`, the same quantized cache):
+
+  scores   the only approximation is the query's quantization: per group |q - q8·qs| ≤ qs/2 per
+           channel, so |Δscore| ≤ scale · Σ_groups (qs_g / 2) · Σ_c∈g |k_c|  (the same as the kernel);
+           the INT32 dots are exact and the FP32 epilogue adds a few ulps. Float parts: FP32 rounding only.
+  P·V      BF16 P': |Δout[h, c]| ≤ 2^-8 · Σ_t p[h, t] |v[t, c]| ≤ 2^-8 · max_t |v[t, c]| (the rounding of
+           P' to BF16 is ≤ 2^-9 relative; the other 2^-9 covers the FP32 accumulation and the online
+           rescaling); FP32 P·V: ≤ 2^-16 · max_t |v[t, c]|.
+  lse      Δlse ≤ max_t |Δscore[t]| (+ FP32 rounding).
+
+`error_bound` computes the score and P·V bounds of a call; tests/test_cpu_decode.py checks the outputs
+against them (ragged batch, NaN-filled free slots and blocks, permuted block tables).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mlaquant.codecs import LayerCodec, RowCodec
+
+BLOCK_TOKENS = 1024  # tokens per block: 1024 x 512 FP32 values = 2 MiB (fewer, larger calls measured faster than 512)
+_INT_KINDS = ("int8", "int4")
+
+
+def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """The Triton kernel's query quantization (`kernels.mla_decode.quantize_query`, bit-identical):
+    q [..., W] float → (q8 int8 [..., W], qs fp32 [..., W / group_size]); qs = absmax / 127 per group
+    (1 for an all-zero group), q8 = round_half_even(q / qs)."""
+    x = q.float().unflatten(-1, (-1, group_size))
+    amax = x.abs().amax(-1)
+    qs = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q8 = torch.round(x / qs.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
+    return q8.flatten(-2), qs
+
+
+class _Part:
+    """How one row part (c_kv or k_pe) is read: byte range in the row and, for integer parts, the
+    query's quantized form for one sequence (set by `bind`)."""
+
+    def __init__(self, rc: RowCodec, offset: int) -> None:
+        self.rc, self.offset = rc, offset
+        self.is_int = rc.spec.kind in _INT_KINDS
+        self.asym = self.is_int and not rc.spec.symmetric
+        self.n_g, self.g = (rc.n_groups, rc.group_size) if self.is_int else (1, rc.width)
+
+    def bytes_of(self, raw: Tensor) -> Tensor:
+        """The part's bytes of block rows raw uint8 [t, row_bytes] → [t, part bytes] (a view)."""
+        return raw[:, self.offset : self.offset + self.rc.row_bytes]
+
+    def params(self, part: Tensor) -> tuple[Tensor, Tensor | None]:
+        """FP16 scales and dot-form zero points lo' of an integer part's bytes → fp32 [t, n_g] each."""
+        rc = self.rc
+        s = part[:, rc.scale_offset : rc.scale_offset + 2 * self.n_g].contiguous().view(torch.float16).float()
+        if not self.asym:
+            return s, None
+        lo = part[:, rc.zero_offset : rc.zero_offset + 2 * self.n_g].contiguous().view(torch.float16).float()
+        return s, lo + (128.0 if rc.spec.kind == "int8" else 8.0) * s
+
+    def codes(self, part: Tensor) -> Tensor:
+        """Dot-form int8 codes [t, W] of an integer part (sym int8: a strided view of the block)."""
+        rc, raw = self.rc, part[:, : self.rc.code_bytes]
+        if rc.spec.kind == "int8":
+            return raw.view(torch.int8) if rc.spec.symmetric else (raw ^ 0x80).view(torch.int8)
+        out = torch.empty(raw.shape[0], rc.width, dtype=torch.int8)
+        nib = out.view(raw.shape[0], -1, 2)
+        torch.bitwise_and(raw, 0x0F, out=nib[..., 0].view(torch.uint8))
+        torch.bitwise_right_shift(raw, 4, out=nib[..., 1].view(torch.uint8))
+        return out.sub_(8)
+
+
+def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, q8t: Tensor, qs: Tensor,
+                qlo: Tensor | None) -> Tensor:
+    """Unscaled scores [t, H] fp32 of an integer part: codes int8 [t, W], s/lo fp32 [t, n_g],
+    q8t int8 [n_g, G, H] (the query's groups, transposed), qs fp32 [n_g, 1, H], qlo fp32 [n_g, H]."""
+    t, heads = codes.shape[0], q8t.shape[-1]
+    dots = torch.empty(part.n_g, t, heads, dtype=torch.int32)
+    for g in range(part.n_g):
+        torch._int_mm(codes[:, g * part.g : (g + 1) * part.g], q8t[g], out=dots[g])
+    scores = dots.float().mul_(qs).mul_(s.t().unsqueeze(-1)).sum(0)
+    return scores if lo is None else scores.addmm_(lo, qlo)
+
+
+class _Sequence:
+    """Online-softmax state of one sequence over its blocks: running max m [H], sum l [H], acc [H, d_c]."""
+
+    def __init__(self, q: Tensor, parts: tuple[_Part, _Part], scale: float) -> None:
+        heads = q.shape[0]
+        self.parts, self.scale = parts, scale
+        self.q = []  # per part: FP32 [W, H] for float parts, (q8t, qs, qlo) for integer parts
+        for p, x in zip(parts, q.float().split([parts[0].rc.width, parts[1].rc.width], dim=-1)):
+            if not p.is_int:
+                self.q.append(x.t().contiguous())
+                continue
+            q8, qs = quantize_query(x, p.g)  # [H, W], [H, n_g]
+            q8t = q8.view(heads, p.n_g, p.g).permute(1, 2, 0).contiguous()  # [n_g, G, H]
+            qlo = (q8.view(heads, p.n_g, p.g).sum(-1, dtype=torch.int32).float() * qs).t() if p.asym else None
+            self.q.append((q8t, qs.t().unsqueeze(1).contiguous(), qlo))
+        self.m = torch.full((heads,), float("-inf"))
+        self.l = torch.zeros(heads)
+        self.acc = torch.zeros(heads, parts[0].rc.width)
+
+    def block(self, raw: Tensor) -> None:
+        """Fold in the rows raw uint8 [t, row_bytes] (all valid)."""
+        scores, values = None, None
+        for p, qp in zip(self.parts, self.q):
+            part = p.bytes_of(raw)
+            if p.is_int:
+                s, lo = p.params(part)
+                codes = p.codes(part)
+                part_scores = _int_scores(p, codes, s, lo, *qp)
+                if p is self.parts[0]:
+                    values = (codes, s, lo)
+            else:
+                rows = p.rc.decode(part, out=torch.empty(raw.shape[0], p.rc.width))
+                part_scores = rows @ qp
+                if p is self.parts[0]:
+                    values = rows
+            scores = part_scores if scores is None else scores.add_(part_scores)
+        scores = scores.t().mul(self.scale)  # [H, t]
+        m = torch.maximum(self.m, scores.amax(-1))
+        alpha = torch.exp(self.m - m)
+        probs = scores.sub_(m.unsqueeze(-1)).exp_()
+        self.l.mul_(alpha).add_(probs.sum(-1))
+        self.acc.mul_(alpha.unsqueeze(-1))
+        self.m = m
+        if isinstance(values, Tensor):
+            self.acc.addmm_(probs, values)
+        else:
+            self._int_pv(probs, *values)
+
+    def _int_pv(self, probs: Tensor, codes: Tensor, s: Tensor, lo: Tensor | None) -> None:
+        """acc += probs [H, t] @ (codes · s + lo'), the integer c_kv part dequantized in FP32 in this block."""
+        p = self.parts[0]
+        v = codes.float().view(codes.shape[0], p.n_g, p.g).mul_(s.unsqueeze(-1))
+        if lo is not None:
+            v.add_(lo.unsqueeze(-1))
+        self.acc.addmm_(probs, v.view(codes.shape[0], -1))
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """(out [H, d_c], lse [H]) of the blocks folded in so far (out 0, lse −inf before any)."""
+        if torch.isinf(self.m).all():
+            return self.acc, self.m.clone()
+        return self.acc / self.l.unsqueeze(-1), self.m + torch.log(self.l)
+
+
+def _blocks(pool: Tensor, pages: list[int], n_tokens: int, block_tokens: int):
+    """Rows uint8 [t, row_bytes] of the first n_tokens tokens on `pages`, block by block (whole pages:
+    a view of the pool where the block's pages are consecutive, else a copy of just those pages)."""
+    block_size, row_bytes = pool.shape[1], pool.shape[2]
+    per = max(1, block_tokens // block_size)
+    for i in range(0, len(pages), per):
+        chunk = pages[i : i + per]
+        if chunk == list(range(chunk[0], chunk[0] + len(chunk))):
+            raw = pool[chunk[0] : chunk[0] + len(chunk)]
+        else:
+            raw = pool.index_select(0, torch.tensor(chunk, dtype=torch.long))
+        yield raw.reshape(len(chunk) * block_size, row_bytes)[: n_tokens - i * block_size]
+
+
+def read_pages(pool: Tensor, block_table: Tensor, seq_lens: Tensor) -> tuple[list[list[int]], list[int]]:
+    """(block ids of each sequence's pages, seq_lens) as host lists, checked against the pool and table."""
+    num_blocks, block_size, _ = pool.shape
+    lens = seq_lens.tolist()
+    if lens and (min(lens) < 0 or max(lens) > block_table.shape[1] * block_size):
+        raise ValueError(
+            f"mla_decode: seq_lens must lie in [0, {block_table.shape[1] * block_size}] "
+            f"(max_blocks x block_size), got {lens}"
+        )
+    n_pages = -(-max(lens, default=0) // block_size)
+    pages = [row[: -(-n // block_size)] for row, n in zip(block_table[:, :n_pages].tolist(), lens)]
+    if any(p < 0 or p >= num_blocks for row in pages for p in row):
+        raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
+    return pages, lens
+
+
+def mla_decode_cpu(
+    q: Tensor,
+    pool: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    codec: LayerCodec,
+    d_c: int,
+    scale: float,
+    block_tokens: int = BLOCK_TOKENS,
+) -> tuple[Tensor, Tensor]:
+    """Fast CPU `mla_decode` (module docstring): q [B, H, d_c + d_r] float, pool uint8 [num_blocks,
+    block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B] → out [B, H, d_c] fp32,
+    lse [B, H] fp32. `bf16_pv` None = BF16 P·V for integer c_kv parts where the CPU has BF16."""
+    pages, lens = read_pages(pool, block_table, seq_lens)
+    parts = (_Part(codec.ckv, 0), _Part(codec.kpe, codec.ckv.row_bytes))
+    batch, heads, _ = q.shape
+    out, lse = torch.zeros(batch, heads, d_c), torch.full((batch, heads), float("-inf"))
+    for b, (row, n) in enumerate(zip(pages, lens)):
+        if n == 0:
+            continue
+        seq = _Sequence(q[b], parts, scale)
+        for raw in _blocks(pool, row, n, block_tokens):
+            seq.block(raw)
+        out[b], lse[b] = seq.result()
+    return out, lse
+
+
+def error_bound(q: Tensor, rows: list[Tensor], codec: LayerCodec, d_c: int, scale: float,
+                bf16_pv: bool) -> tuple[Tensor, Tensor]:
+    """Worst-case |score error| [B, H] and |out error| [B, H, d_c] of `mla_decode_cpu` against the FP32
+    reference, for q [B, H, d_c + d_r] and each sequence's decoded rows [T_b, d_c + d_r] (module
+    docstring; the FP32 rounding of the epilogue is covered by a factor 1 + 2^-10 and 2^-20 · Σ|q||k|)."""
+    parts = (codec.ckv, codec.kpe)
+    d_score, d_out = [], []
+    for qb, kv in zip(q.float(), rows):
+        k_abs = kv.abs()
+        bound = (qb.abs() @ k_abs.t()) * 2.0**-20  # FP32 sums
+        for rc, sl in zip(parts, (slice(0, d_c), slice(d_c, None))):
+            if rc.spec.kind not in _INT_KINDS:
+                continue
+            _, qs = quantize_query(qb[:, sl], rc.group_size)  # [H, n_g]
+            kg = k_abs[:, sl].unflatten(-1, (-1, rc.group_size)).sum(-1)  # [T, n_g]
+            bound += (qs / 2) @ kg.t()
+        d_score.append(scale * (1 + 2.0**-10) * bound.amax(-1))
+        vmax = kv[:, :d_c].abs().amax(0) if kv.shape[0] else torch.zeros(d_c)
+        rel = 2.0**-8 if bf16_pv and codec.ckv.spec.kind in _INT_KINDS else 2.0**-16
+        d_out.append(rel * vmax.expand(qb.shape[0], d_c))
+    return torch.stack(d_score), torch.stack(d_out)
