@@ -64,7 +64,7 @@ def test_widened_layer_reads_both_segments(tiny_model):
     cfg = tiny_model.cfg
     d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
-    session = DecodeSession(tiny_model, plan="int4")
+    session = DecodeSession(tiny_model, plan="int4", backend="torch")  # exact, as the teacher-forced hook
     session.prefill(ids[:, :12])
     assert session.widen_layer(1, "test")
     steps = [session.decode(ids[:, t])[0] for t in range(12, 20)]
