@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="decode attention: auto = triton on CUDA, the fast cpu path on CPU; torch = FP32 reference")
     p.add_argument(
         "--guard-config",
         default=None,
@@ -26,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mlaquant import ops
     from mlaquant.guard import Guard
     from mlaquant.loader import load_model
     from mlaquant.session import generate
@@ -53,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     print(args.prompt + model.tokenizer.decode(new))
     print(
         f"-- {len(new)} tokens in {elapsed:.2f} s: {len(new) / elapsed:.1f} tokens/s "
-        f"(prompt {len(prompt)} tokens, plan {args.plan}, incl. prefill)"
+        f"(prompt {len(prompt)} tokens, plan {args.plan}, backend {ops.resolve_backend(args.backend, model.device)}, "
+        "incl. prefill)"
     )
     if guard is not None:
         print(
