@@ -7,8 +7,9 @@ copy of the context. Same op and arguments as `mlaquant.ops.mla_decode` (backend
 Each sequence is read in blocks of `BLOCK_TOKENS` tokens (whole pages: a view of the pool when the pages
 are consecutive, else a copy of those pages only), so every decoded value lives in a cache-sized buffer
 and is used for the scores and for P·V before the next block is read; the softmax runs online across the
-blocks (FP32 running max and sum, flash-style), which measured faster than a two-pass scheme that reads
-the context twice (see README, "CPU decode").
+blocks (FP32 running max and sum, flash-style), so a float cache is converted once, not once for the scores
+and again for P·V as a two-pass scheme would (the two-pass variant was not timed). Block size: 1024 tokens
+measured 1.2-1.5x faster than 512 at batch 16 x 4096 tokens on a loaded 2-core machine (per-call overhead).
 
 Scores of an integer part (int8/int4, sym/asym, any grouping). The query is quantized per (token, head,
 group) exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q8 = round_half_even(q /
