@@ -24,6 +24,10 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
 5. report    the plan's loss on the test split, guard bounds from the calibration rows, and an
              atomically written plan directory (plan.yaml + scales.safetensors).
 
+Each step is a function of this module, its inputs and outputs in its signature: `observe_variants`,
+`measure`, `search`, `fall_back` (verify), `narrow`, `int8_projections`, `build_report`; `calibrate`
+runs them in that order.
+
 Loss = relative perplexity increase against the FP16 cache, teacher-forced, every token through the
 quantized cache (`mlaquant.eval`).
 """
@@ -41,8 +45,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mlaquant.calib.data import split_path, token_samples
-from mlaquant.calib.observers import LatentStats, observe, percentile_bounds
+from mlaquant.calib.data import split_path
+from mlaquant.calib.observers import LatentStats, observe, observe_streamed
 from mlaquant.codecs import LayerCodec
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.errors import MLAQuantError
@@ -50,7 +54,9 @@ from mlaquant.eval import EvalResult, Evaluator
 from mlaquant.int8_proj import with_int8_projections
 from mlaquant.model import MLAModel, hadamard_signs, latent_rotation, with_latent_rotation
 from mlaquant.plan import LayerPlan, Plan
-from mlaquant.stream import StreamedEvaluator, StreamedModel, observe_streamed
+from mlaquant.ranges import percentile_bounds
+from mlaquant.samples import token_samples
+from mlaquant.stream import StreamedEvaluator, StreamedModel
 
 log = logging.getLogger(__name__)
 
@@ -296,73 +302,134 @@ def max_row_error(rows: torch.Tensor, codec: LayerCodec) -> float:
     return float(codec.relative_error(rows, "none").max())
 
 
-def calibrate(
-    model: MLAModel,
-    cfg: CalibrateConfig,
-    data: str | Path | None = None,
-    val_data: str | Path | None = None,
-    test_data: str | Path | None = None,
-    quiet: bool = False,
-) -> tuple[Plan, dict]:
-    """Run the whole pipeline; returns the plan and a report dict (timings, per-split metrics)."""
-    if model.tokenizer is None:
-        raise MLAQuantError(f"{model.source}: no tokenizer.json; calibration needs text → tokens")
-    t0 = time.perf_counter()
-    streamed = isinstance(model, StreamedModel)  # layer-major twins of observe / Evaluator, same numbers
-    if streamed and cfg.int8_matmul:
-        raise MLAQuantError("calibrate: int8_matmul is not supported with --stream (load the model whole)")
-    observe_fn, evaluator_cls = (observe_streamed, StreamedEvaluator) if streamed else (observe, Evaluator)
-    eos = model.cfg.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    tok = model.tokenizer
-    cal = token_samples(tok, data or split_path("calibration"), cfg.samples, cfg.seq_len, cfg.seed, eos)
-    val = token_samples(tok, val_data or split_path("validation"), cfg.val_samples, cfg.seq_len, cfg.seed + 1, eos)
-    n_layers = len(model.layers)
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    int_candidates = sum(1 for c in cfg.candidates if c != "fp16/fp16")
+@dataclasses.dataclass(frozen=True)
+class Sources:
+    """Where each split's text comes from: the given file, directory or JSONL, else the bundled split."""
+
+    calibration: str | Path
+    validation: str | Path
+    test: str | Path
+
+    @classmethod
+    def resolve(cls, data: str | Path | None, val_data: str | Path | None, test_data: str | Path | None) -> Sources:
+        return cls(
+            data or split_path("calibration"), val_data or split_path("validation"), test_data or split_path("test")
+        )
+
+
+@dataclasses.dataclass
+class Measurements:
+    """What observe and measure found, read by every later stage.
+
+    `variants[i]`: layer i's observed rows and ranges; `evaluator`: the validation split with its FP16
+    reference; `table[i]`: layer i's candidates sorted by bytes, each with its single-layer loss;
+    `int8_costs[i]`: layer i's single-layer loss with W8A8 projections (None without `int8_matmul`).
+    """
+
+    variants: list[LayerVariants]
+    evaluator: Evaluator
+    table: list[list[Choice]]
+    int8_costs: list[float] | None
+
+
+@dataclasses.dataclass
+class Verified:
+    """A plan, its validation result, and the search state it was built from.
+
+    `pick[i]`: index of layer i's chosen candidate in `Measurements.table[i]`; `fallbacks`: the moves
+    recorded so far (plan.yaml `fallbacks`); `notes[i]`: layer i's plan.yaml note.
+    """
+
+    pick: list[int]
+    fallbacks: list[dict]
+    notes: dict[int, str]
+    plan: Plan
+    result: EvalResult
+
+
+def evaluator_class(model: MLAModel | StreamedModel) -> type[Evaluator]:
+    """`Evaluator`, or its layer-major twin for a layer-streamed model (same numbers)."""
+    return StreamedEvaluator if isinstance(model, StreamedModel) else Evaluator
+
+
+def progress_total(model: MLAModel | StreamedModel, cfg: CalibrateConfig, cal: torch.Tensor, val: torch.Tensor) -> int:
+    """Progress-bar steps of observe + measure: calibration and validation batches, one per measured layer
+    candidate (and per layer's INT8 projections with `int8_matmul`)."""
     batches = lambda x: -(-x.shape[0] // cfg.batch_size)
-    total = batches(cal) + batches(val) + n_layers * (int_candidates + cfg.int8_matmul)
-    with tqdm(total=total, desc="calibrate", disable=quiet, file=sys.stderr) as bar:
-        bar.set_postfix_str("observing ranges")
-        stats = observe_fn(model, cal, cfg.batch_size, progress=bar)
-        variants = layer_variants(model, stats, cfg)
-        bar.set_postfix_str("fp16 reference")
-        evaluator = evaluator_cls(model, val, cfg.batch_size, progress=bar)
-        bar.set_postfix_str("per-layer sensitivity")
-        table = measure_layers(model, evaluator, variants, cfg, bar)
-        if cfg.int8_matmul:
-            bar.set_postfix_str("int8 projections")
-            int8_costs = int8_matmul_costs(model, evaluator, bar)
+    int_candidates = sum(1 for c in cfg.candidates if c != "fp16/fp16")
+    return batches(cal) + batches(val) + len(model.layers) * (int_candidates + cfg.int8_matmul)
+
+
+def observe_variants(
+    model: MLAModel | StreamedModel, cal: torch.Tensor, cfg: CalibrateConfig, progress
+) -> list[LayerVariants]:
+    """Stage observe: per-layer latent ranges and row samples of the calibration tokens [n, seq_len] int64,
+    plain and rotated."""
+    progress.set_postfix_str("observing ranges")
+    observe_fn = observe_streamed if isinstance(model, StreamedModel) else observe
+    stats = observe_fn(model, cal, cfg.batch_size, progress=progress)
+    return layer_variants(model, stats, cfg)
+
+
+def measure(
+    model: MLAModel | StreamedModel, val: torch.Tensor, variants: list[LayerVariants], cfg: CalibrateConfig, progress
+) -> Measurements:
+    """Stage measure: the FP16 reference on the validation tokens [n, seq_len] int64, then every layer's
+    single-layer loss per candidate (and per layer's W8A8 projections with `int8_matmul`)."""
+    progress.set_postfix_str("fp16 reference")
+    evaluator = evaluator_class(model)(model, val, cfg.batch_size, progress=progress)
+    progress.set_postfix_str("per-layer sensitivity")
+    table = measure_layers(model, evaluator, variants, cfg, progress)
+    int8_costs = None
+    if cfg.int8_matmul:
+        progress.set_postfix_str("int8 projections")
+        int8_costs = int8_matmul_costs(model, evaluator, progress)
+    return Measurements(variants, evaluator, table, int8_costs)
+
+
+def build_plan(
+    model: MLAModel | StreamedModel, m: Measurements, pick: list[int], notes: dict[int, str], budget: float
+) -> Plan:
+    """The plan of candidate `pick[i]` per layer, with its tensors (clip and observed ranges, rotation
+    signs) and each layer's guard bound (worst row error on the calibration rows)."""
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    layers, tensors = [], {}
+    for i, p in enumerate(pick):
+        ch, v = m.table[i][p], m.variants[i]
+        ckv, kpe = ch.name.split("/")
+        variant = (ch.rotate, ch.rotate_rope)
+        lo, hi = v.bounds[variant]
+        tensors[f"layer{i}.clip_lo"], tensors[f"layer{i}.clip_hi"] = lo, hi
+        if ch.rotate:
+            tensors[f"layer{i}.rotation_signs"] = v.signs
+        if ch.rotate_rope:
+            tensors[f"layer{i}.rope_rotation_signs"] = v.rope_signs
+        rows = v.rows[variant]
+        tensors[f"layer{i}.range_lo"], tensors[f"layer{i}.range_hi"] = rows.min(0).values, rows.max(0).values
+        err = max_row_error(rows, v.codec(ch.name, ch.clip, variant, d_c, d_r))
+        layers.append(LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.rotate_rope, ch.loss, err, note=notes.get(i, "")))
+    return Plan(layers=layers, fingerprint=model.fingerprint(), budget=budget, tensors=tensors)
+
+
+def verify(model: MLAModel | StreamedModel, evaluator: Evaluator, plan: Plan, loss_only: bool = False) -> EvalResult:
+    """The whole plan through `evaluator` (every layer quantized, rotations applied)."""
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    return evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model), loss_only=loss_only)
+
+
+def fall_back(model: MLAModel | StreamedModel, m: Measurements, pick: list[int], cfg: CalibrateConfig) -> Verified:
+    """Stage fallback: verify the searched `pick` on validation; while over `headroom × budget`, the layer
+    with the largest single-layer loss moves to its `wider` candidate, each move recorded."""
     target = cfg.headroom * cfg.budget
-    pick = search(table, target)
-    fallbacks, notes = [], {}
-
-    def build() -> Plan:
-        layers, tensors = [], {}
-        for i, p in enumerate(pick):
-            ch, v = table[i][p], variants[i]
-            ckv, kpe = ch.name.split("/")
-            variant = (ch.rotate, ch.rotate_rope)
-            lo, hi = v.bounds[variant]
-            tensors[f"layer{i}.clip_lo"], tensors[f"layer{i}.clip_hi"] = lo, hi
-            if ch.rotate:
-                tensors[f"layer{i}.rotation_signs"] = v.signs
-            if ch.rotate_rope:
-                tensors[f"layer{i}.rope_rotation_signs"] = v.rope_signs
-            rows = v.rows[variant]
-            tensors[f"layer{i}.range_lo"], tensors[f"layer{i}.range_hi"] = rows.min(0).values, rows.max(0).values
-            err = max_row_error(rows, v.codec(ch.name, ch.clip, variant, d_c, d_r))
-            layers.append(LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.rotate_rope, ch.loss, err, note=notes.get(i, "")))
-        return Plan(layers=layers, fingerprint=model.fingerprint(), budget=cfg.budget, tensors=tensors)
-
-    plan = build()
-    result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
+    pick, fallbacks = list(pick), []
+    plan = build_plan(model, m, pick, {}, cfg.budget)
+    result = verify(model, m.evaluator, plan)
     while result.loss > target:
-        movable = [i for i, p in enumerate(pick) if p + 1 < len(table[i])]
-        i = max(movable, key=lambda j: table[j][pick[j]].loss)
-        old = table[i][pick[i]]
-        pick[i] = wider(table[i], pick[i])
-        new = table[i][pick[i]]
+        movable = [i for i, p in enumerate(pick) if p + 1 < len(m.table[i])]
+        i = max(movable, key=lambda j: m.table[j][pick[j]].loss)
+        old = m.table[i][pick[i]]
+        pick[i] = wider(m.table[i], pick[i])
+        new = m.table[i][pick[i]]
         fallbacks.append(
             {
                 "layer": i,
@@ -373,57 +440,112 @@ def calibrate(
             }
         )
         log.info("fallback: layer %d %s → %s", i, old.name, new.name)
-        plan = build()
-        result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
-    trials, frozen = 0, {f["layer"] for f in fallbacks}
+        plan = build_plan(model, m, pick, {}, cfg.budget)
+        result = verify(model, m.evaluator, plan)
+    return Verified(pick, fallbacks, {}, plan, result)
+
+
+def narrow(model: MLAModel | StreamedModel, m: Measurements, v: Verified, cfg: CalibrateConfig) -> Verified:
+    """Stage narrow: up to `narrow_trials` cheaper candidates (`narrowing_moves`, never a layer that fell
+    back), each verified end to end; a move is kept while the plan stays under `headroom × budget`."""
+    target = cfg.headroom * cfg.budget
+    pick, notes = list(v.pick), dict(v.notes)
+    trials, frozen = 0, {f["layer"] for f in v.fallbacks}
     while trials < cfg.narrow_trials:
-        for i, q in narrowing_moves(table, pick, frozen):
+        for i, q in narrowing_moves(m.table, pick, frozen):
             old, pick[i] = pick[i], q
-            trial = build()
-            measured = evaluator.evaluate(trial.layer_codecs(d_c, d_r), model=applied(trial, model), loss_only=True)
+            measured = verify(model, m.evaluator, build_plan(model, m, pick, notes, cfg.budget), loss_only=True)
             trials += 1
             if measured.loss <= target:
-                log.info("narrowed: layer %d %s → %s", i, table[i][old].name, table[i][q].name)
+                log.info("narrowed: layer %d %s → %s", i, m.table[i][old].name, m.table[i][q].name)
                 loss = f"plan validation loss {measured.loss:.4%} ≤ {target:.4%}"
-                notes[i] = f"narrowed from {table[i][old].name}: {loss}"
+                notes[i] = f"narrowed from {m.table[i][old].name}: {loss}"
                 break
             pick[i] = old
             if trials >= cfg.narrow_trials:
                 break
         else:
             break  # no cheaper candidate keeps the plan under the target
-    if trials:
-        plan = build()
-        result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
-    if cfg.int8_matmul:
-        result = add_int8_matmul(plan, model, evaluator, int8_costs, target, fallbacks)
-    report = {"validation": result.as_dict(), "candidates": [[dataclasses.asdict(c) for c in row] for row in table]}
+    if not trials:
+        return v
+    plan = build_plan(model, m, pick, notes, cfg.budget)
+    return Verified(pick, v.fallbacks, notes, plan, verify(model, m.evaluator, plan))
+
+
+def int8_projections(model: MLAModel, m: Measurements, v: Verified, cfg: CalibrateConfig) -> Verified:
+    """Stage int8: with `cfg.int8_matmul`, W8A8 projections on top of the verified cache plan
+    (`add_int8_matmul`, which sets the flags on `v.plan`); without it, `v` unchanged."""
+    if not cfg.int8_matmul:
+        return v
+    fallbacks = list(v.fallbacks)
+    result = add_int8_matmul(v.plan, model, m.evaluator, m.int8_costs, cfg.headroom * cfg.budget, fallbacks)
+    return dataclasses.replace(v, fallbacks=fallbacks, result=result)
+
+
+def build_report(
+    model: MLAModel | StreamedModel,
+    cfg: CalibrateConfig,
+    sources: Sources,
+    samples: tuple[torch.Tensor, torch.Tensor],
+    m: Measurements,
+    v: Verified,
+    t0: float,
+) -> tuple[Plan, dict]:
+    """Stage report: the plan's test-split metrics, fallbacks, metrics and settings filled in; returns the
+    plan and the report dict. `samples`: the (calibration, validation) tokens; `t0`: the run's start
+    (`time.perf_counter`)."""
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    plan, (cal, val) = v.plan, samples
+    report = {"validation": v.result.as_dict(), "candidates": [[dataclasses.asdict(c) for c in row] for row in m.table]}
     if cfg.test_samples:
-        test = token_samples(tok, test_data or split_path("test"), cfg.test_samples, cfg.seq_len, cfg.seed + 2, eos)
-        report["test"] = (
-            evaluator_cls(model, test, cfg.batch_size)
-            .evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model))
-            .as_dict()
+        test = token_samples(
+            model.tokenizer, sources.test, cfg.test_samples, cfg.seq_len, cfg.seed + 2, model.cfg.eos_id
         )
+        report["test"] = verify(model, evaluator_class(model)(model, test, cfg.batch_size), plan).as_dict()
     report["seconds"] = round(time.perf_counter() - t0, 1)
     report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    plan.fallbacks = fallbacks
+    plan.fallbacks = v.fallbacks
     plan.metrics = {k: report[k] for k in ("validation", "test") if k in report} | {
-        "bytes_per_token_per_layer": plan.bytes_per_token(d_c, d_r) / n_layers,
+        "bytes_per_token_per_layer": plan.bytes_per_token(d_c, d_r) / len(model.layers),
         "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
         "fp16_bytes_per_token_per_layer": (d_c + d_r) * 2,
-        "candidates": {f"layer{i}": [describe(c) for c in row] for i, row in enumerate(table)},
+        "candidates": {f"layer{i}": [describe(c) for c in row] for i, row in enumerate(m.table)},
     }
     plan.settings = {
         **to_dict(cfg),
         "model": model.source,
-        "data": str(data or split_path("calibration")),
-        "val_data": str(val_data or split_path("validation")),
-        "test_data": str(test_data or split_path("test")),
+        "data": str(sources.calibration),
+        "val_data": str(sources.validation),
+        "test_data": str(sources.test),
         "calibration_tokens": int(cal.numel()),
         "validation_tokens": int(val.numel()),
     }
     return plan, report
+
+
+def calibrate(
+    model: MLAModel | StreamedModel,
+    cfg: CalibrateConfig,
+    data: str | Path | None = None,
+    val_data: str | Path | None = None,
+    test_data: str | Path | None = None,
+    quiet: bool = False,
+) -> tuple[Plan, dict]:
+    """Run the whole pipeline (observe → measure → search → fallback → narrow → int8 → report); returns
+    the plan and a report dict (timings, per-split metrics)."""
+    if model.tokenizer is None:
+        raise MLAQuantError(f"{model.source}: no tokenizer.json; calibration needs text → tokens")
+    t0 = time.perf_counter()
+    if isinstance(model, StreamedModel) and cfg.int8_matmul:
+        raise MLAQuantError("calibrate: int8_matmul is not supported with --stream (load the model whole)")
+    sources, tok, eos = Sources.resolve(data, val_data, test_data), model.tokenizer, model.cfg.eos_id
+    cal = token_samples(tok, sources.calibration, cfg.samples, cfg.seq_len, cfg.seed, eos)
+    val = token_samples(tok, sources.validation, cfg.val_samples, cfg.seq_len, cfg.seed + 1, eos)
+    with tqdm(total=progress_total(model, cfg, cal, val), desc="calibrate", disable=quiet, file=sys.stderr) as bar:
+        measured = measure(model, val, observe_variants(model, cal, cfg, bar), cfg, bar)
+    verified = fall_back(model, measured, search(measured.table, cfg.headroom * cfg.budget), cfg)
+    verified = int8_projections(model, measured, narrow(model, measured, verified, cfg), cfg)
+    return build_report(model, cfg, sources, (cal, val), measured, verified, t0)
 
 
 def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:

@@ -2,7 +2,9 @@
 
 One pass of the model over the calibration samples records, for every layer and channel, the
 running min / max / absmax exactly, and keeps a strided subsample of rows (at most `max_rows` per
-layer) for percentiles and for measuring per-row quantization error and clip rate.
+layer) for percentiles and for measuring per-row quantization error and clip rate. `observe` runs a
+loaded `MLAModel`; `observe_streamed` runs a `StreamedModel` (`mlaquant.stream`) layer-major and
+returns the same statistics bit for bit.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 
 from mlaquant.errors import MLAQuantError
 from mlaquant.model import MLAModel
+from mlaquant.ranges import percentile_bounds
+from mlaquant.stream import StreamedModel
 
 
 @dataclass
@@ -35,15 +39,6 @@ class LatentStats:
     def percentile_bounds(self, q: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-channel (lo, hi) at quantiles (1 − q, q) of the subsample, widened to include 0."""
         return percentile_bounds(self.sample(), q)
-
-
-def percentile_bounds(rows: torch.Tensor, q: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-channel (lo, hi) [d] at quantiles (1 − q, q) of rows [n, d], widened to include 0."""
-    n = rows.shape[0]
-    k_hi = min(n, max(1, round(q * n)))
-    hi = rows.kthvalue(k_hi, dim=0).values
-    lo = rows.kthvalue(n + 1 - k_hi, dim=0).values
-    return torch.minimum(lo, torch.zeros_like(lo)), torch.maximum(hi, torch.zeros_like(hi))
 
 
 class LatentObserver:
@@ -76,4 +71,14 @@ def observe(model: MLAModel, samples: torch.Tensor, batch_size: int = 8, max_row
         model(ids, observer)
         if progress is not None:
             progress.update(1)
+    return observer.stats
+
+
+def observe_streamed(
+    model: StreamedModel, samples: torch.Tensor, batch_size: int = 8, max_rows: int = 65536, progress=None
+) -> list[LatentStats]:
+    """`observe`, layer-major over a `StreamedModel`: the same [LatentStats] per layer."""
+    every = max(1, samples.numel() // max_rows)
+    observer = LatentObserver(len(model.layers), every)
+    model.run(list(samples.split(batch_size)), observer, progress=progress)
     return observer.stats

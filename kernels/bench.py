@@ -26,13 +26,13 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from mlaquant.atomic import atomic_write
 from mlaquant.errors import BackendError
 
 # name substring -> (HBM TB/s, dense FP16 tensor TFLOP/s, dense INT8 tensor TOP/s); first match wins.
@@ -125,6 +125,7 @@ def decode_rows(
     scale = (dims["d_n"] + d_r) ** -0.5
     gen = torch.Generator().manual_seed(0)
     layer_codecs = [LayerCodec.from_names(*name.split("/"), d_c, d_r) for name in codecs]
+    config = K.load_kernel_config()  # what K.mla_decode runs with by default, for the chunk column
     rows: list[dict] = []
     for h in heads:
         for b in batches:
@@ -146,7 +147,7 @@ def decode_rows(
                         continue
                     pool = _pool(codec, b * ctx, K.PAGE_TOKENS, device, gen)
                     table = torch.randperm(pool.shape[0], generator=gen).view(b, -1).to(device, torch.int32)
-                    chunk = K._packaged_config().chunk_for(ctx)
+                    chunk = config.chunk_for(ctx)
                     n_split = -(-ctx // chunk)
                     ms = clock(functools.partial(K.mla_decode, q, pool, table, lens, codec, d_c, scale,
                                                  max_seq_len=ctx))
@@ -305,18 +306,6 @@ def render_markdown(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def run(args: argparse.Namespace) -> int:
     _require_cuda()
     import triton
@@ -343,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     rows = decode_rows(heads, batches, contexts, codecs, dims, device, clock, args.sdpa_max_gb, peaks)
     rows += gemm_rows(batches, shapes, device, clock, peaks)
     out = Path(args.out)
-    _write_atomic(out, render_markdown(meta, rows))
-    _write_atomic(out.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=2))
+    atomic_write(out, render_markdown(meta, rows))
+    atomic_write(out.with_suffix(".json"), json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {out} and {out.with_suffix('.json')}")
     return 0

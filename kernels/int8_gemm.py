@@ -24,9 +24,9 @@ x̂ = x8·s_x, |w − ŵ| ≤ s_w/2 and |x − x̂| ≤ s_x/2 elementwise, x·w 
     |y[m, n] − x[m]·w[n]| ≤ ½·s_w[n]·‖x[m]‖₁ + ½·s_x[m]·‖ŵ[n]‖₁ + u_out·|y[m, n]| + 2^-20·|x[m]|·|ŵ[n]|
 
 (u_out = 2^-11 fp16, 2^-8 bf16, 2^-24 fp32; the last term covers the FP32 epilogue; outlier columns carry
-only the weight term plus their FP16 product's rounding). `int8_gemm_error_bound` computes it without the
-outlier columns. Under TRITON_INTERPRET=1 a BF16 output is written as FP32 and rounded by torch (the
-interpreter truncates FP32 -> BF16 instead of rounding to nearest).
+only the weight term plus their FP16 product's rounding). `int8_gemm_error_bound` in tests/reference.py
+computes it without the outlier columns. Under TRITON_INTERPRET=1 a BF16 output is written as FP32 and
+rounded by torch (the interpreter truncates FP32 -> BF16 instead of rounding to nearest).
 """
 
 from __future__ import annotations
@@ -39,13 +39,10 @@ from torch import Tensor
 from mlaquant.errors import BackendError
 from mlaquant.int8_quant import OUT_DTYPES, quantize_activation, quantize_weight_per_channel
 
-_UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
-
-
 # --------------------------------------------------------------------------------------------- torch
 
 
-def _outlier_product(
+def outlier_product(
     x: Tensor, w_int8: Tensor, w_scale: Tensor, cols: Tensor, w_fp: Tensor | None
 ) -> Tensor | None:
     """x[:, cols] @ W[:, cols]^T in 16-bit (fp32 result) or None when no column is an outlier."""
@@ -57,7 +54,7 @@ def _outlier_product(
     return (x[:, idx].to(half) @ w_sub.to(half).T).float()
 
 
-def _check(x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: torch.dtype, w_fp: Tensor | None) -> None:
+def check_gemm_args(x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: torch.dtype, w_fp: Tensor | None) -> None:
     if not x.is_floating_point() or x.dim() < 1:
         raise ValueError(f"int8_gemm: x must be float [..., K], got {x.dtype} {list(x.shape)}")
     if w_int8.dtype != torch.int8 or w_int8.dim() != 2 or w_int8.shape[1] != x.shape[-1]:
@@ -72,35 +69,6 @@ def _check(x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: torch.dtype, w
         raise ValueError(f"int8_gemm: out_dtype must be float16, bfloat16 or float32, got {out_dtype}")
     if len({t.device for t in (x, w_int8, w_scale)}) != 1:
         raise ValueError("int8_gemm: x, w_int8 and w_scale must be on one device")
-
-
-def int8_gemm_reference(
-    x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: torch.dtype = torch.float16,
-    outlier_threshold: float | None = None, w_fp: Tensor | None = None,
-) -> Tensor:
-    """Torch reference of `int8_gemm` (same arguments, same arithmetic; the INT32 sums are exact in FP64)."""
-    _check(x, w_int8, w_scale, out_dtype, w_fp)
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    x8, sx, cols = quantize_activation(x2, outlier_threshold)
-    acc = (x8.double() @ w_int8.double().T).float()  # exact: |sum| < 2^31 << 2^53
-    y = acc * sx.unsqueeze(1) * w_scale.unsqueeze(0)
-    extra = _outlier_product(x2, w_int8, w_scale, cols, w_fp) if outlier_threshold is not None else None
-    if extra is not None:
-        y = y + extra
-    return y.to(out_dtype).reshape(*lead, w_int8.shape[0])
-
-
-def int8_gemm_error_bound(x: Tensor, w: Tensor, w_int8: Tensor, w_scale: Tensor, y: Tensor) -> Tensor:
-    """The docstring's bound on |y − x·wᵀ| [M, N] (no outlier columns): x [M, K], w [N, K] the FP weight that
-    was quantized to (w_int8, w_scale), y the kernel's output."""
-    x32 = x.reshape(-1, x.shape[-1]).float()
-    w_hat = w_int8.float() * w_scale.unsqueeze(1)
-    sx = x32.abs().amax(1) / 127.0
-    quant = 0.5 * w_scale.unsqueeze(0) * x32.abs().sum(1, keepdim=True)
-    quant = quant + 0.5 * sx.unsqueeze(1) * w_hat.abs().sum(1)
-    epilogue = 2.0**-20 * (x32.abs() @ w_hat.abs().T)
-    return quant + _UNIT_ROUNDOFF[y.dtype] * y.float().abs().reshape(quant.shape) + epilogue
 
 
 # -------------------------------------------------------------------------------------------- Triton
@@ -176,7 +144,9 @@ def _gemm_kernel(
     tl.store(c_ptrs, c.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def _interpreted() -> bool:
+def interpreter_active() -> bool:
+    """True when the kernels run in triton's CPU interpreter (TRITON_INTERPRET=1 set before importing triton);
+    BackendError when it was set in between (our kernels and triton's library disagree)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     ours = isinstance(_gemm_kernel, InterpretedFunction)
@@ -187,7 +157,7 @@ def _interpreted() -> bool:
 
 def _device_check(x: Tensor) -> bool:
     """True when interpreted (CPU tensors); BackendError when the tensors' device cannot run the kernels."""
-    interpreted = _interpreted()
+    interpreted = interpreter_active()
     if interpreted and x.is_cuda:
         raise BackendError("int8_gemm: TRITON_INTERPRET=1 runs on CPU tensors only")
     if not interpreted and not x.is_cuda:
@@ -233,13 +203,13 @@ def int8_gemm(
 
     `outlier_threshold` turns on the LLM.int8() outlier columns (module docstring); `w_fp` [N, K] are the
     weights they use (default: the dequantized INT8 weights)."""
-    _check(x, w_int8, w_scale, out_dtype, w_fp)
+    check_gemm_args(x, w_int8, w_scale, out_dtype, w_fp)
     interpreted = _device_check(x)
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     n = w_int8.shape[0]
     x8, sx, cols = quantize_rows(x2, outlier_threshold)
-    extra = _outlier_product(x2, w_int8, w_scale, cols, w_fp) if outlier_threshold is not None else None
+    extra = outlier_product(x2, w_int8, w_scale, cols, w_fp) if outlier_threshold is not None else None
     store_dtype = torch.float32 if interpreted and out_dtype == torch.bfloat16 else out_dtype
     y = torch.empty(x2.shape[0], n, dtype=store_dtype, device=x.device)
     w = w_int8 if w_int8.stride(-1) == 1 else w_int8.contiguous()
@@ -266,7 +236,7 @@ def int8_gemm_grouped(x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: tor
         raise ValueError(f"int8_gemm_grouped: w_scale must be [G, N] = {list(w_int8.shape[:2])}, got "
                          f"{list(w_scale.shape)}")
     if w_int8.shape[0]:
-        _check(x[..., 0, :], w_int8[0], w_scale[0], out_dtype, None)
+        check_gemm_args(x[..., 0, :], w_int8[0], w_scale[0], out_dtype, None)
     interpreted = _device_check(x)
     lead, (groups, k), n = x.shape[:-2], x.shape[-2:], w_int8.shape[1]
     x8, sx, _ = quantize_rows(x.reshape(-1, k))  # rows m·G + g
@@ -288,6 +258,6 @@ def int8_gemm_grouped(x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: tor
 
 
 __all__ = [
-    "int8_gemm", "int8_gemm_grouped", "int8_gemm_reference", "int8_gemm_error_bound",
-    "quantize_weight_per_channel", "quantize_activation", "quantize_rows", "OUT_DTYPES",
+    "int8_gemm", "int8_gemm_grouped",
+    "quantize_weight_per_channel", "quantize_activation", "quantize_rows", "interpreter_active", "OUT_DTYPES",
 ]

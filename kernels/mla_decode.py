@@ -11,8 +11,9 @@ Inputs: `q` [B, H, d_c + d_r] fp16/bf16/fp32, `pool` uint8 [num_blocks, P, row_b
 P = 64 tokens (any P works), `block_table` int32 [B, max_blocks] (token t of sequence b is row t % P of block
 `block_table[b, t // P]`; entries past the sequence are never read), `seq_lens` int32 [B] (0 gives out 0,
 lse −inf; other integer dtypes of the two index tensors are converted), `codec` a
-`mlaquant.codecs.LayerCodec`. Slots past a sequence's end are never read, so they may hold anything (NaN
-included).
+`mlaquant.codecs.LayerCodec`; checked by the one decode contract, `mlaquant.decode_inputs.DecodeInputs`
+(`check_kernel_layout` for what only this kernel needs). Slots past a sequence's end are never read, so they
+may hold anything (NaN included).
 
 Bytes read per row (little-endian; the c_kv part at byte 0, the k_pe part at byte `codec.ckv.row_bytes`;
 each part of width W in groups of G channels, n_g = W / G, see `mlaquant.codecs`):
@@ -30,8 +31,8 @@ query is quantized on the fly per (token, head, group) with the cache part's gro
 gets qs = 1, q8 = 0); then per group one INT8 x INT8 -> INT32 `tl.dot` with the group's codes, exact, scaled
 into FP32: `qs * s * dot8` (+ `qs * lo' * Σq8` for asymmetric groups). INT4 nibbles are unpacked and
 interleaved in registers into an INT8 tile. Asymmetric INT8 codes (0..255) enter the dot as `q - 128`
-with `lo' = lo + 128 * s`; asymmetric INT4 codes enter unchanged (lo' = lo). `quantize_query` and
-`score_group_dots` expose this path so tests can check it bit-exactly against torch.
+with `lo' = lo + 128 * s`; asymmetric INT4 codes enter unchanged (lo' = lo). `group_dot` is this path for
+one group; tests/test_kernel_mla_decode.py runs it on its own to check it bit-exactly against torch.
 
 P·V: V is dequantized in-kernel in FP32 (`q * s (+ lo)`, exactly the codec's decode), rounded to FP16, and
 multiplied with P rounded to FP16 (FP32 accumulation), once per tile for all heads of the program. The
@@ -64,8 +65,9 @@ the context), and an error already in h_a is multiplied by ĝ ≤ 1, never ampli
 
 The (1 + 2^-10) absorbs the FP32 sigmoid's few-ulp error before the FP16 rounding and the subnormal term;
 the second term covers the FP32 products and sums of each merge and the FP32 partials themselves.
-`merge_error_bound` computes it. It is a worst case: neighbouring chunks' partials are usually much closer
-than R_c; measured in tests/test_kernel_mla_decode.py, the error is 0.2-18 % of the bound (S = 2..64).
+`merge_error_bound` in tests/reference.py computes it. It is a worst case: neighbouring chunks' partials are
+usually much closer than R_c; measured in tests/test_kernel_mla_decode.py, the error is 0.2-18 % of the bound
+(S = 2..64).
 
 GPU limits (checked, BackendError): power-of-two widths and groups; integer groups of ≥ 32 channels (INT8
 `tl.dot` needs K ≥ 32); fp16 parts ≥ 16 wide; FP16 scales 2-byte aligned. Under TRITON_INTERPRET=1 any
@@ -83,7 +85,8 @@ import triton  # an ImportError here is what mlaquant.ops turns into "backend 't
 import triton.language as tl
 from torch import Tensor
 
-from mlaquant.config import ConfigError, load_config
+from mlaquant.config import ConfigError, chunk_for_context, load_config
+from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
 
 PAGE_TOKENS = 64
@@ -95,8 +98,8 @@ _LOG2E = 1.4426950408889634
 class KernelConfig:
     """Launch settings of the decode kernels (`configs/kernels.yaml`).
 
-    `split_kv_chunks` lists `[up_to_context, chunk_tokens]` pairs: the first pair whose bound exceeds the
-    batch's longest context wins, the last pair covers everything longer (its bound is ignored).
+    `split_kv_chunks` lists `[up_to_context, chunk_tokens]` pairs, read by `mlaquant.config.chunk_for_context`
+    with the batch's longest context.
     `block_h` heads and `block_n` tokens per tile of a stage-1 program.
     """
 
@@ -121,10 +124,7 @@ class KernelConfig:
 
     def chunk_for(self, context_len: int) -> int:
         """Split-KV chunk length for a longest context of `context_len` tokens."""
-        for bound, chunk in self.split_kv_chunks[:-1]:
-            if context_len < bound:
-                return int(chunk)
-        return int(self.split_kv_chunks[-1][1])
+        return chunk_for_context(self.split_kv_chunks, context_len)
 
 
 def _valid_chunk(chunk: object) -> bool:
@@ -146,11 +146,12 @@ def _packaged_config() -> KernelConfig:
 
 
 # Helpers are few and large on purpose: the CPU interpreter re-patches triton.language on every call of a
-# jitted helper, which dominated the test time when the code was split finer.
+# jitted helper, which dominated the test time when the code was split finer. `group_dot` and `tile_rows`
+# are public: the exactness test of the INT32 score path launches them from a probe kernel of its own.
 
 
 @triton.jit
-def _group_dot(q_row, h_mask, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr):
+def group_dot(q_row, h_mask, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr):
     """Group g of one integer part: (INT32 dot [BH, BN], qs [BH] fp32, Σq8 [BH] int32).
 
     `q_row` [BH] points at the part's first query channel, `row` [BN] at the part's first byte. The codes
@@ -202,7 +203,7 @@ def _part_scores(
     else:
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for g in tl.static_range(W // G):
-            dot, qs, qsum = _group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
+            dot, qs, qsum = group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
             ks = tl.load((row + SCALE_OFF + 2 * g).to(tl.pointer_type(tl.float16)), mask=t_mask, other=0.0)
             ks = ks.to(tl.float32)
             s += dot.to(tl.float32) * (qs[:, None] * ks[None, :])
@@ -248,8 +249,8 @@ def _part_values(
 
 
 @triton.jit
-def _tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE: tl.constexpr,
-               ROW_BYTES: tl.constexpr):
+def tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE: tl.constexpr,
+              ROW_BYTES: tl.constexpr):
     """Byte pointers [BN] of tokens `offs_t` of sequence b (masked tokens point at block 0)."""
     block = tl.load(bt_ptr + b * stride_bt + offs_t // PAGE, mask=t_mask, other=0).to(tl.int64)
     return pool_ptr + block * stride_pool + (offs_t % PAGE) * ROW_BYTES
@@ -282,7 +283,7 @@ def _partial_kernel(
     for t0 in range(start, end, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         t_mask = offs_t < end
-        row = _tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES)
+        row = tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES)
         s = _part_scores(q_row, h_mask, row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF,
                          BLOCK_H, BLOCK_N)
         s += _part_scores(q_row + D_C, h_mask, row + R_OFF, t_mask, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF,
@@ -335,30 +336,6 @@ def _merge_kernel(
     tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh, lse, mask=h_mask)
 
 
-@triton.jit
-def _scores_kernel(
-    q_ptr, pool_ptr, bt_ptr, lens_ptr, dot_ptr, qs_ptr,
-    stride_qb, stride_qh, stride_pool, stride_bt, stride_db, stride_dh, stride_dt, stride_sb, stride_sh,
-    H,
-    PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, PART_OFF: tl.constexpr, Q_OFF: tl.constexpr,
-    KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """The INT32 score path of one integer part on its own: dots [B, H, T, n_g] and query scales."""
-    b = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < H
-    offs_t = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_mask = offs_t < tl.load(lens_ptr + b)
-    row = _tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES) + PART_OFF
-    q_row = q_ptr + b * stride_qb + offs_h * stride_qh + Q_OFF
-    for g in tl.static_range(W // G):
-        dot, qs, qsum = _group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
-        dst = dot_ptr + b * stride_db + offs_h[:, None] * stride_dh + offs_t[None, :] * stride_dt + g
-        tl.store(dst, dot, mask=h_mask[:, None] & t_mask[None, :])
-        tl.store(qs_ptr + b * stride_sb + offs_h * stride_sh + g, qs, mask=h_mask)
-
-
 # ------------------------------------------------------------------------------------------ host side
 
 
@@ -376,8 +353,9 @@ class _Part:
 
 
 def _part(rc, offset: int, on_gpu: bool, label: str) -> _Part:
-    kind = rc.spec.kind
-    width, group = rc.width, rc.group_size
+    lay = rc.layout  # the codec's `PartLayout`: offsets are read from it, never recomputed here
+    kind = lay.spec.kind
+    width, group = lay.width, lay.group_size
     if kind not in ("fp16", "int8", "int4"):
         raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name} is not supported "
                            "(fp16/int8/int4 only)")
@@ -387,12 +365,12 @@ def _part(rc, offset: int, on_gpu: bool, label: str) -> _Part:
     if on_gpu and (group < 32 if kind != "fp16" else width < 16):
         raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name}: on GPU integer groups need "
                            "≥ 32 channels and fp16 parts ≥ 16 (tl.dot minimum K)")
-    scale_off = rc.scale_offset or 0
+    scale_off = lay.scale_offset or 0
     if (offset + scale_off) % 2 or (kind == "fp16" and offset % 2):
         raise BackendError(f"triton mla_decode: {label} FP16 data at an odd byte offset (row layout {rc})")
     return _Part(
         {"fp16": _KIND_FP16, "int8": _KIND_INT8, "int4": _KIND_INT4}[kind],
-        not rc.spec.symmetric, width, group, offset, scale_off, rc.zero_offset or 0,
+        not lay.spec.symmetric, width, group, offset, scale_off, lay.zero_offset or 0,
     )
 
 
@@ -426,40 +404,6 @@ def _check_device(t: Tensor) -> bool:
     return True
 
 
-def _check_inputs(
-    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int,
-    max_seq_len: int | None = None,
-) -> int:
-    """Validate shapes/dtypes; returns the longest context (`max_seq_len` when given: no device sync)."""
-    if q.dim() != 3 or q.shape[-1] != codec.width or d_c != codec.ckv.width:
-        raise ValueError(f"mla_decode: q must be [B, H, {codec.width}] with d_c={codec.ckv.width}, "
-                         f"got {list(q.shape)}, d_c={d_c}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"mla_decode: q must be fp16/bf16/fp32, got {q.dtype}")
-    if pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[2] != codec.row_bytes or not pool.shape[1]:
-        raise ValueError(f"mla_decode: pool must be uint8 [num_blocks, block_size, {codec.row_bytes}] for "
-                         f"{codec.name}, got {pool.dtype} {list(pool.shape)}")
-    if pool.stride(2) != 1 or pool.stride(1) != codec.row_bytes:
-        raise ValueError("mla_decode: each pool block must be contiguous")
-    b = q.shape[0]
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != b:
-        raise ValueError(f"mla_decode: block_table must be int [{b}, max_blocks], got "
-                         f"{block_table.dtype} {list(block_table.shape)}")
-    if seq_lens.dtype != torch.int32 or tuple(seq_lens.shape) != (b,):
-        got = f"{seq_lens.dtype} {list(seq_lens.shape)}"
-        raise ValueError(f"mla_decode: seq_lens must be int32 [{b}], got {got}")
-    if len({t.device for t in (q, pool, block_table, seq_lens)}) != 1:
-        raise ValueError("mla_decode: q, pool, block_table and seq_lens must be on one device")
-    if max_seq_len is not None:
-        lo, hi = 0, int(max_seq_len)
-    else:
-        lo, hi = (int(v) for v in torch.stack([seq_lens.min(), seq_lens.max()]).tolist()) if b else (0, 0)
-    if lo < 0 or hi > block_table.shape[1] * pool.shape[1]:
-        raise ValueError(f"mla_decode: seq_lens must lie in [0, {block_table.shape[1] * pool.shape[1]}] "
-                         f"(max_blocks x block_size), got [{lo}, {hi}]")
-    return hi
-
-
 def _int32(t: Tensor) -> Tensor:
     """Integer index tensors as the int32 the kernels read (other integer dtypes are converted)."""
     if t.dtype in (torch.int64, torch.int16, torch.uint8, torch.int8):
@@ -481,7 +425,7 @@ def codec_parts(codec, on_gpu: bool) -> tuple[_Part, _Part]:
     if codec.row_bytes % 2:
         raise BackendError(f"triton mla_decode: a row of {codec.row_bytes} bytes ({codec.name}) misaligns "
                            "the FP16 values of every other row")
-    return _part(codec.ckv, 0, on_gpu, "c_kv"), _part(codec.kpe, codec.ckv.row_bytes, on_gpu, "k_pe")
+    return _part(codec.ckv, 0, on_gpu, "c_kv"), _part(codec.kpe, codec.layout.kpe_offset, on_gpu, "k_pe")
 
 
 def supports(codec, on_gpu: bool = True) -> str | None:
@@ -500,11 +444,13 @@ def mla_decode_partials(
     """Stage 1 only: (partials [B, H, S, d_c] fp32, lse [B, H, S] fp32, chunk_tokens).
 
     Chunk k of sequence b covers tokens [k*chunk, min((k+1)*chunk, len_b)); entries of chunks at or past
-    a sequence's end are left unwritten (garbage), `merge_partials` never reads them."""
+    a sequence's end are left unwritten (garbage), `merge_gated_fp16` never reads them."""
     config = config or _packaged_config()
     on_gpu = _check_device(q)
-    block_table, seq_lens = _int32(block_table), _int32(seq_lens)
-    longest = _check_inputs(q, pool, block_table, seq_lens, codec, d_c, max_seq_len)
+    inputs = DecodeInputs(q, pool, _int32(block_table), _int32(seq_lens), codec, d_c)
+    inputs.check_kernel_layout()
+    block_table, seq_lens = inputs.block_table, inputs.seq_lens
+    longest = inputs.longest(max_seq_len)
     chunk = _resolve_chunk(chunk_tokens, longest, config)
     c, r = codec_parts(codec, on_gpu)
     if q.dtype == torch.bfloat16 and not on_gpu:
@@ -532,17 +478,18 @@ def mla_decode_partials(
     return parts, lse, chunk
 
 
-def merge_partials_triton(
+def merge_gated_fp16(
     parts: Tensor, lse_parts: Tensor, seq_lens: Tensor, chunk_tokens: int, block_h: int = 16
 ) -> tuple[Tensor, Tensor]:
-    """Stage 2 in Triton: fold [B, H, S, D] partials -> (out [B, H, D] fp32, lse [B, H] fp32).
+    """Stage 2 in Triton, the FP16-gated merge of the module docstring (not an exact LSE merge): fold
+    [B, H, S, D] partials -> (out [B, H, D] fp32, lse [B, H] fp32).
 
     Sequence b merges its first cdiv(seq_lens[b], chunk_tokens) chunks; an empty sequence gives 0, -inf."""
     _check_device(parts)
     seq_lens = _int32(seq_lens)
     bsz, heads, _, dim = parts.shape
     if dim & (dim - 1):
-        raise BackendError(f"merge_partials_triton: width {dim} must be a power of two")
+        raise BackendError(f"merge_gated_fp16: width {dim} must be a power of two")
     out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=parts.device)
     lse = torch.empty(bsz, heads, dtype=torch.float32, device=parts.device)
     block_h = min(block_h, max(1, triton.next_power_of_2(heads)))
@@ -555,26 +502,6 @@ def merge_partials_triton(
             heads, int(chunk_tokens), D_C=dim, BLOCK_H=block_h,
         )
     return out, lse
-
-
-def merge_partials(out_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:
-    """Torch reference of stage 2: fold S partials [..., S, D] / LSEs [..., S] left to right with the FP16
-    sigmoid gate -> ([..., D] fp32, [...] fp32). Same arithmetic as `_merge_kernel`."""
-    h = out_parts[..., 0, :].float()
-    lse = lse_parts[..., 0].float()
-    for k in range(1, out_parts.shape[-2]):
-        lse_b = lse_parts[..., k].float()
-        gate = torch.sigmoid(lse - lse_b).half().float().unsqueeze(-1)
-        h = gate * h + (1.0 - gate) * out_parts[..., k, :].float()
-        lse = torch.logaddexp(lse, lse_b)
-    return h, lse
-
-
-def merge_error_bound(n_chunks: int, values: Tensor) -> Tensor:
-    """The docstring's bound on |gated merge − exact softmax| per channel for `values` [T, D] -> [D]."""
-    v = values.float()
-    spread = v.amax(0) - v.amin(0)
-    return (n_chunks - 1) * 2.0**-11 * (1 + 2.0**-10) * spread + n_chunks * 2.0**-20 * v.abs().amax(0)
 
 
 def mla_decode(
@@ -594,73 +521,11 @@ def mla_decode(
         empty = seq_lens == 0
         out, lse = parts[:, :, 0], lse[:, :, 0]
         return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], float("-inf"))
-    return merge_partials_triton(parts, lse, seq_lens, chunk, config.block_h)
-
-
-def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """Torch mirror of the kernel's query quantization: [..., W] -> (int8 [..., W], fp32 scales [..., W/G]).
-
-    qs = absmax / 127 per group (1 for an all-zero group), q8 = round_half_even(q / qs), in FP32."""
-    x = q.float().unflatten(-1, (-1, group_size))
-    amax = x.abs().amax(-1)
-    qs = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q8 = torch.round(x / qs.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return q8.flatten(-2), qs
-
-
-def effective_query(q: Tensor, codec) -> Tensor:
-    """The query the kernel's scores effectively use, FP32 [B, H, d_c + d_r]: integer parts `q8 * qs`
-    (`quantize_query` with the part's grouping), fp16 parts rounded to FP16. An exact reference fed with it
-    sees the kernel's own arithmetic only, without the query quantization."""
-    parts = []
-    for rc, x in zip((codec.ckv, codec.kpe), q.float().split([codec.ckv.width, codec.kpe.width], dim=-1)):
-        if rc.spec.kind in ("int8", "int4"):
-            q8, qs = quantize_query(x, rc.group_size)
-            x = (q8.float().unflatten(-1, (-1, rc.group_size)) * qs.unsqueeze(-1)).flatten(-2)
-        elif rc.spec.kind == "fp16":
-            x = x.half().float()
-        parts.append(x)
-    return torch.cat(parts, dim=-1)
-
-
-def score_group_dots(
-    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, part: str = "c_kv",
-    block_n: int = 32,
-) -> tuple[Tensor, Tensor]:
-    """The kernel's INT32 score path for one integer part ('c_kv' or 'k_pe'), for exactness tests:
-    (dots int32 [B, H, T, n_g] with T = max(seq_lens), zero past each sequence's end; q scales fp32
-    [B, H, n_g]). dots[b, h, t, g] = Σ_{c in group g} q8[b, h, c] · code[t, c] with the dot-form codes of
-    the module docstring (asymmetric INT8 codes shifted by −128)."""
-    on_gpu = _check_device(q)
-    block_table, seq_lens = _int32(block_table), _int32(seq_lens)
-    longest = _check_inputs(q, pool, block_table, seq_lens, codec, d_c)
-    rc, offset, q_off = (codec.ckv, 0, 0) if part == "c_kv" else (codec.kpe, codec.ckv.row_bytes, d_c)
-    p = _part(rc, offset, on_gpu, part)
-    if p.kind == _KIND_FP16:
-        raise BackendError(f"score_group_dots: the {part} part ({rc.spec.name}) has no integer score path")
-    if q.dtype == torch.bfloat16 and not on_gpu:
-        q = q.float()
-    q = q.contiguous()
-    bsz, heads = q.shape[:2]
-    n_g = p.width // p.group
-    dots = torch.zeros(bsz, heads, longest, n_g, dtype=torch.int32, device=q.device)
-    qs = torch.zeros(bsz, heads, n_g, dtype=torch.float32, device=q.device)
-    block_h = max(1, triton.next_power_of_2(min(heads, 16)))
-    if bsz and heads and longest:
-        _scores_kernel[(bsz, triton.cdiv(heads, block_h), triton.cdiv(longest, block_n))](
-            q, pool, block_table, seq_lens, dots, qs,
-            q.stride(0), q.stride(1), pool.stride(0), block_table.stride(0),
-            dots.stride(0), dots.stride(1), dots.stride(2), qs.stride(0), qs.stride(1),
-            heads,
-            PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, PART_OFF=p.offset, Q_OFF=q_off,
-            KIND=p.kind, ASYM=p.asym, W=p.width, G=p.group, BLOCK_H=block_h, BLOCK_N=block_n,
-        )
-    return dots, qs
+    return merge_gated_fp16(parts, lse, seq_lens, chunk, config.block_h)
 
 
 __all__ = [
     "supports",
-    "KernelConfig", "load_kernel_config", "mla_decode", "mla_decode_partials", "merge_partials",
-    "merge_partials_triton", "merge_error_bound", "quantize_query", "effective_query", "score_group_dots",
+    "KernelConfig", "load_kernel_config", "mla_decode", "mla_decode_partials", "merge_gated_fp16",
     "interpreter_active", "PAGE_TOKENS",
 ]

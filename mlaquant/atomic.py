@@ -57,25 +57,44 @@ def atomic_write(path: str | Path, data: bytes | str, mode: int = 0o644) -> None
             os.unlink(tmp)
 
 
+def _aside(out_dir: Path) -> Path:
+    return out_dir.with_name(f".{out_dir.name}.old")
+
+
+def recover_directory(out_dir: str | Path) -> None:
+    """Settle a replacement by `atomic_directory` that was killed between its two renames: the previous
+    directory, set aside at `.<name>.old`, goes back where `out_dir` is missing, and is deleted where the
+    new `out_dir` is already in place. A no-op when there is nothing set aside."""
+    out_dir = Path(out_dir)
+    old = _aside(out_dir)
+    if not old.is_dir():
+        return
+    if out_dir.exists():
+        shutil.rmtree(old)
+    else:
+        os.replace(old, out_dir)
+
+
 @contextlib.contextmanager
-def atomic_directory(out_dir: str | Path) -> Iterator[Path]:
+def atomic_directory(out_dir: str | Path, mode: int = 0o700) -> Iterator[Path]:
     """Yield an empty temp directory beside `out_dir`. When the block ends normally its files are
-    fsynced and it replaces `out_dir` (an existing one is renamed aside, then removed); when it raises,
-    or is interrupted, the temp directory is deleted and `out_dir` is left as it was."""
+    fsynced, it gets permission bits `mode` (0700 is mkdtemp's own) and it replaces `out_dir` (an
+    existing one is renamed aside to `.<name>.old`, then removed); when it raises, or is interrupted,
+    the temp directory is deleted and `out_dir` is left as it was. A replacement killed between its
+    renames is settled by `recover_directory`, which runs first."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    recover_directory(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp", dir=out_dir.parent))
     try:
         yield tmp
         _fsync_tree(tmp)
+        os.chmod(tmp, mode)
         if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out_dir)
+            os.replace(out_dir, _aside(out_dir))
+        os.replace(tmp, out_dir)
         fsync_directory(out_dir.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
+        recover_directory(out_dir)

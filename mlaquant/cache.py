@@ -1,8 +1,8 @@
 """`LatentCache`: the paged, growing, per-layer-codec latent cache of a batch of sequences.
 
 Per layer the cache holds only latent rows `[c_kv | k_pe]` (d_c + d_r values per token), encoded by
-that layer's `LayerCodec` into `row_bytes` bytes (byte layouts: `mlaquant.codecs`). Rows live in
-paged blocks of `block_size` tokens (64, like FlashMLA):
+that layer's `LayerCodec` into `row_bytes` bytes (sizes from the codec's `RowLayout`, byte layouts:
+`mlaquant.codecs`). Rows live in paged blocks of `block_size` tokens (64, like FlashMLA):
 
     pool         uint8 [capacity_blocks, block_size, row_bytes]   one per (layer, segment)
     block table  per sequence, the pool blocks holding its rows in order
@@ -50,7 +50,8 @@ class Segment:
     _table: torch.Tensor | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
-        self.pool = torch.empty(0, self.block_size, self.codec.row_bytes, dtype=torch.uint8, device=self.device)
+        row_bytes = self.codec.layout.row_bytes
+        self.pool = torch.empty(0, self.block_size, row_bytes, dtype=torch.uint8, device=self.device)
         self.tables = [[] for _ in range(self.batch)]
         self.lens = [0] * self.batch
         self.starts = [0] * self.batch
@@ -84,7 +85,7 @@ class Segment:
         if n == 0:
             return torch.empty(0, self.codec.width, dtype=dtype, device=self.device)
         blocks = torch.tensor(self.tables[b][: -(-n // self.block_size)], device=self.device)
-        codes = self.pool[blocks].reshape(-1, self.codec.row_bytes)[:n]
+        codes = self.pool[blocks].reshape(-1, self.codec.layout.row_bytes)[:n]
         return self.codec.decode(codes, dtype)
 
     def block_table(self) -> torch.Tensor:
@@ -160,12 +161,12 @@ class LatentCache:
         self.layers[layer].append(seg)
 
     def nbytes(self) -> int:
-        paged = sum(sum(seg.lens) * seg.codec.row_bytes for segs in self.layers for seg in segs)
+        paged = sum(sum(seg.lens) * seg.codec.layout.row_bytes for segs in self.layers for seg in segs)
         return paged + sum(r.numel() * 2 for rows in self.recent for r in rows)
 
     def padding_nbytes(self) -> int:
         return sum(
-            (seg.used_blocks * self.block_size - sum(seg.lens)) * seg.codec.row_bytes
+            (seg.used_blocks * self.block_size - sum(seg.lens)) * seg.codec.layout.row_bytes
             for segs in self.layers
             for seg in segs
         )

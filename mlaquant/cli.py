@@ -1,6 +1,9 @@
 """The `mlaquant` command: one entry point, subcommands imported lazily.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
+The CLI is the entry above every layer, so its table of module names (strings, imported only when
+that subcommand runs) names `mlaquant.calib.calibrate` and `mlaquant.calib.sweep`: the one reference
+from `mlaquant/` up into `calib/` (tests/test_layering.py checks that no import statement makes one).
 Errors that users can fix (bad paths, bad configs, mismatched plans) are `MLAQuantError`s and print
 as one line with exit code 2; `--debug` shows the traceback instead.
 """
@@ -19,7 +22,7 @@ SUBCOMMANDS = {
     "bench": ("mlaquant.bench", "benchmarks (decode step time against transformers)"),
     "train": ("mlaquant.train", "train the bundled MLA code model on the Python standard library"),
     "calibrate": ("mlaquant.calib.calibrate", "calibrate a per-layer cache plan under an accuracy budget"),
-    "sweep": ("mlaquant.sweep", "accuracy-vs-memory report over cache codecs and plans"),
+    "sweep": ("mlaquant.calib.sweep", "accuracy-vs-memory report over cache codecs and plans"),
     "export": ("mlaquant.export", "export a plan for vLLM / SGLang"),
 }
 

@@ -4,6 +4,14 @@ A layer's cached row is `[c_kv (d_c) | k_pe (d_r)]`; each part is stored by its 
 a `LayerCodec` concatenates the two byte strings. Everything is vectorised over rows (no Python
 loops) and runs on any device torch runs on.
 
+    PartLayout   one part's bytes (table below), computed once by `PartLayout.of(spec, width)`
+    RowLayout    a layer's row: c_kv part at byte 0, k_pe part at byte `kpe_offset` = ckv.row_bytes
+    RowCodec     abstract part codec; `RowCodec.build(spec, width, ...)` picks the kind's class:
+                 `FloatCodec` (fp32/bf16/fp16), `IntCodec` (int8/int4), `Fp8Codec` (fp8, fp8-g<N>)
+    LayerCodec   the two part codecs of a layer and their `RowLayout`
+
+The cache sizes its pools and the kernels find codes, scales and zero points from these layouts.
+
 Codec names (`CodecSpec.parse` / `.name`): `fp32`, `bf16`, `fp16`, for the integer kinds
 `int8|int4` + `-row` (one group = the whole part) or `-g<N>` (groups of N channels) + optional
 `-asym`, and `fp8` (e4m3 with one static scale per layer) or `fp8-g<N>` (e4m3 with a dynamic FP16
@@ -19,6 +27,10 @@ little-endian; groups run along the channel dimension, channel c belongs to grou
     int4 asymmetric      W/2 bytes of codes | G fp16 scales s | G fp16 lo  W/2 + 4G bytes
     fp8 (static)         W e4m3 codes (the scale lives in the plan, not the row)   W bytes
     fp8-g<N> (dynamic)   W e4m3 codes | G fp16 scales s                W + 2G bytes
+
+In `PartLayout` fields: codes at byte 0 (`code_bytes` of them), scales at `scale_offset` = code_bytes,
+lo at `zero_offset` = code_bytes + 2G, `n_groups` = G; float and static fp8 parts have n_groups = 0 and
+no scale or zero offsets (None).
 
   symmetric:  x̂ = q * s,       q = clamp(round(x / s), -qmax, qmax), s ≥ absmax(group) / qmax
   asymmetric: x̂ = q * s + lo,  q = clamp(round((x - lo) / s), 0, 2*qmax+1), lo ≤ min(group),
@@ -50,7 +62,7 @@ Worked examples, DeepSeek d_c = 512, d_r = 64 (one token, one layer):
 
 Rows carry no padding: `row_bytes` is exactly codes + scales + zero points.
 
-Calibrated clipping: `RowCodec(..., clip_lo, clip_hi)` takes per-channel bounds [W] from calibration;
+Calibrated clipping: `RowCodec.build(..., clip_lo, clip_hi)` takes per-channel bounds [W] from calibration;
 values are clamped to them before each row's group range is taken (each row's scales still come from
 its own range at write time). For symmetric codecs pass `clip_lo = -clip_hi` (an absmax bound); a
 missing side is mirrored for symmetric codecs and unbounded for asymmetric ones. A static `fp8` part
@@ -62,6 +74,7 @@ from __future__ import annotations
 
 import math
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 
 import torch
@@ -177,71 +190,109 @@ def _fp16_round(x: Tensor, up: bool) -> Tensor:
     return torch.where(miss, stepped, h).float()
 
 
-class RowCodec:
-    """Encodes rows [..., width] (float) to bytes [..., row_bytes] (uint8) and back.
+@dataclass(frozen=True)
+class PartLayout:
+    """Byte layout of one part (c_kv or k_pe) of a cached row, as the module docstring's table gives it:
+    the one place these numbers are computed (`PartLayout.of`); codecs, the cache and the kernels read them.
 
-    Attributes beside `spec`, `width`, `row_bytes` describe the layout for kernels: `group_size`,
-    `n_groups`, `code_bytes` (bytes of codes), `scale_offset` and `zero_offset` (byte offsets of the
-    FP16 scales / FP16 lo arrays inside the part; None where absent), and for static fp8 `fp8_scale`
-    (the FP32 per-layer scale s; None for every other kind).
+    `group_size` channels per group (the part's width for float kinds and static fp8); `n_groups` groups
+    with a stored FP16 scale (0 for float kinds and static fp8); `code_bytes` bytes of codes at byte 0;
+    `scale_offset` / `zero_offset` byte offsets of the n_groups FP16 scales / FP16 lo values inside the
+    part (None where absent); `row_bytes` the part's bytes per row, nothing else stored.
     """
 
-    def __init__(
-        self,
+    spec: CodecSpec
+    width: int
+    group_size: int
+    n_groups: int
+    code_bytes: int
+    scale_offset: int | None
+    zero_offset: int | None
+    row_bytes: int
+
+    @classmethod
+    def of(cls, spec: CodecSpec, width: int) -> PartLayout:
+        """The layout of a part of `width` channels stored as `spec`; CodecError when they do not fit."""
+        if width <= 0:
+            raise CodecError(f"codec {spec.name}: width must be > 0, got {width}")
+        width = int(width)
+        code_bytes = width * spec.bits // 8
+        if spec.is_float:
+            return cls(spec, width, width, 0, code_bytes, None, None, code_bytes)
+        g = spec.group_size or width
+        if width % g:
+            raise CodecError(f"codec {spec.name}: group size {g} does not divide width {width}")
+        if spec.kind == "int4" and width % 2:
+            raise CodecError(f"codec {spec.name}: int4 needs an even width, got {width}")
+        n_groups = 0 if spec.is_static_fp8 else width // g
+        params = 1 if spec.symmetric else 2  # FP16 arrays per group: s, or s and lo
+        zero_offset = None if spec.symmetric else code_bytes + 2 * n_groups
+        scale_offset = code_bytes if n_groups else None
+        return cls(spec, width, g, n_groups, code_bytes, scale_offset, zero_offset, code_bytes + 2 * n_groups * params)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """One layer's cached row `[c_kv part | k_pe part]`: the c_kv part at byte 0, the k_pe part at byte
+    `kpe_offset` (= ckv.row_bytes), `row_bytes` bytes and `width` = d_c + d_r values in all."""
+
+    ckv: PartLayout
+    kpe: PartLayout
+
+    @property
+    def kpe_offset(self) -> int:
+        return self.ckv.row_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self.ckv.row_bytes + self.kpe.row_bytes
+
+    @property
+    def width(self) -> int:
+        return self.ckv.width + self.kpe.width
+
+
+class _LaidOut:
+    """`width` (values) and `row_bytes` (stored bytes) of whatever `self.layout` describes."""
+
+    layout: PartLayout | RowLayout
+
+    @property
+    def width(self) -> int:
+        return self.layout.width
+
+    @property
+    def row_bytes(self) -> int:
+        return self.layout.row_bytes
+
+
+class RowCodec(_LaidOut, ABC):
+    """Encodes rows [..., width] (float) to bytes [..., row_bytes] (uint8) and back, for one part.
+
+    Built by `RowCodec.build(spec, width, ...)`, which picks the kind's class (`FloatCodec`, `IntCodec`,
+    `Fp8Codec`). `layout` (a `PartLayout`) describes the bytes; `clip_lo` / `clip_hi` are the per-channel
+    clip bounds float32 [width] (None when unclipped).
+    """
+
+    def __init__(self, layout: PartLayout, clip_lo: Tensor | None, clip_hi: Tensor | None) -> None:
+        self.layout = layout
+        self.spec = layout.spec
+        self.clip_lo, self.clip_hi = self._clip_bounds(clip_lo, clip_hi)
+
+    @staticmethod
+    def build(
         spec: CodecSpec,
         width: int,
         clip_lo: Tensor | None = None,
         clip_hi: Tensor | None = None,
         fp8_scale: float | None = None,
-    ) -> None:
-        if width <= 0:
-            raise CodecError(f"codec {spec.name}: width must be > 0, got {width}")
-        self.spec = spec
-        self.width = int(width)
-        self.fp8_scale = None
+    ) -> RowCodec:
+        """The codec of a part of `width` channels stored as `spec`, clipped to the per-channel bounds
+        [width] when given; `fp8_scale` is the static fp8 scale (ignored by every other codec, fp8-g<N> too)."""
+        layout = PartLayout.of(spec, width)
         if spec.kind == FP8:
-            self._init_fp8(clip_lo, clip_hi, fp8_scale)
-            return
-        if spec.is_float:
-            self.group_size, self.n_groups = self.width, 0
-            self.code_bytes = self.width * spec.bits // 8
-            self.scale_offset = self.zero_offset = None
-            self.row_bytes = self.code_bytes
-        else:
-            g = spec.group_size or self.width
-            if self.width % g:
-                raise CodecError(f"codec {spec.name}: group size {g} does not divide width {self.width}")
-            if spec.kind == "int4" and self.width % 2:
-                raise CodecError(f"codec {spec.name}: int4 needs an even width, got {self.width}")
-            self.group_size, self.n_groups = g, self.width // g
-            self.code_bytes = self.width * spec.bits // 8
-            self.scale_offset = self.code_bytes
-            self.zero_offset = None if spec.symmetric else self.code_bytes + 2 * self.n_groups
-            self.row_bytes = self.code_bytes + 2 * self.n_groups * (1 if spec.symmetric else 2)
-        self.clip_lo, self.clip_hi = self._clip_bounds(clip_lo, clip_hi)
-
-    def _init_fp8(self, clip_lo: Tensor | None, clip_hi: Tensor | None, fp8_scale: float | None) -> None:
-        spec = self.spec
-        g = spec.group_size or self.width
-        if self.width % g:
-            raise CodecError(f"codec {spec.name}: group size {g} does not divide width {self.width}")
-        self.group_size = g
-        self.n_groups = 0 if spec.is_static_fp8 else self.width // g
-        self.code_bytes = self.width
-        self.scale_offset = None if spec.is_static_fp8 else self.code_bytes
-        self.zero_offset = None
-        self.row_bytes = self.code_bytes + 2 * self.n_groups
-        lo, hi = self._clip_bounds(clip_lo, clip_hi)
-        if not spec.is_static_fp8:
-            self.clip_lo, self.clip_hi = lo, hi
-            return
-        if fp8_scale is None:
-            fp8_scale = 1.0 if lo is None else fp8_static_scale(lo, hi)
-        if not (isinstance(fp8_scale, (int, float)) and math.isfinite(fp8_scale) and fp8_scale > 0):
-            raise CodecError(f"codec fp8: static scale must be a finite float > 0, got {fp8_scale!r}")
-        self.fp8_scale = float(torch.tensor(fp8_scale, dtype=torch.float32))
-        bound = torch.full((self.width,), FP8_MAX * self.fp8_scale)
-        self.clip_lo, self.clip_hi = -bound, bound
+            return Fp8Codec(layout, clip_lo, clip_hi, fp8_scale)
+        return (FloatCodec if spec.is_float else IntCodec)(layout, clip_lo, clip_hi)
 
     def _clip_bounds(self, lo: Tensor | None, hi: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
         if lo is None and hi is None:
@@ -261,21 +312,22 @@ class RowCodec:
             raise CodecError(f"codec {self.spec.name}: clip bounds contain NaN or clip_lo > clip_hi")
         return lo, hi
 
-    def __repr__(self) -> str:
-        clip = ", clipped" if self.clip_lo is not None else ""
-        if self.fp8_scale is not None:
-            clip = f", scale={self.fp8_scale:.6g}"
-        return f"RowCodec({self.spec.name}, width={self.width}, row_bytes={self.row_bytes}{clip})"
+    def _repr_extra(self) -> str:
+        return ", clipped" if self.clip_lo is not None else ""
 
-    @property
-    def qmax(self) -> int:
-        """Largest symmetric code magnitude (127 / 7); asymmetric codes run 0..2*qmax+1."""
-        return (1 << (self.spec.bits - 1)) - 1
+    def __repr__(self) -> str:
+        return f"RowCodec({self.spec.name}, width={self.width}, row_bytes={self.row_bytes}{self._repr_extra()})"
 
     def _clip(self, x: Tensor) -> Tensor:
         if self.clip_lo is None:
             return x
         return torch.clamp(x, self.clip_lo.to(x.device), self.clip_hi.to(x.device))
+
+    def _raise_if(self, bad_in: bool, bad_out: bool, what: str) -> None:
+        if bad_in:
+            raise ValueError(f"codec {self.spec.name}: input contains NaN or Inf")
+        if bad_out:
+            raise ValueError(f"codec {self.spec.name}: {what}")
 
     def encode(self, x: Tensor) -> Tensor:
         """[..., width] float → uint8 [..., row_bytes]. NaN/Inf input raises ValueError."""
@@ -284,16 +336,79 @@ class RowCodec:
                 f"codec {self.spec.name}: expected float rows [..., {self.width}], got {x.dtype} {list(x.shape)}"
             )
         lead = x.shape[:-1]
-        x = x.reshape(-1, self.width)
-        if self.spec.kind == FP8:
-            return self._encode_fp8(x).reshape(*lead, self.row_bytes)
-        if self.spec.is_float:
-            out = x.to(FLOAT_KINDS[self.spec.kind], copy=True).contiguous()  # codes never alias the input
-            if not torch.isfinite(out).all():  # NaN / Inf input stays NaN / Inf: one check on the hot path
-                self._raise_if(not torch.isfinite(x).all(), True, "values exceed the range of " + self.spec.kind)
-            return out.view(torch.uint8).reshape(*lead, self.row_bytes)
+        return self._encode_rows(x.reshape(-1, self.width)).reshape(*lead, self.row_bytes)
+
+    @abstractmethod
+    def _encode_rows(self, x: Tensor) -> Tensor:
+        """[N, width] float → uint8 [N, row_bytes]."""
+
+    def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
+        """uint8 [..., row_bytes] → [..., width] in `dtype` (computed in FP32, then cast). With `out`
+        (float32, contiguous, [..., width]; `dtype` is then not used) the values are written there and
+        `out` is returned: the decode path reuses one buffer step after step instead of allocating."""
+        if codes.dtype != torch.uint8 or codes.shape[-1:] != (self.row_bytes,):
+            raise ValueError(
+                f"codec {self.spec.name}: expected uint8 [..., {self.row_bytes}], got {codes.dtype} {list(codes.shape)}"
+            )
+        if out is not None and (
+            out.dtype != torch.float32 or out.shape != (*codes.shape[:-1], self.width) or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"codec {self.spec.name}: out must be contiguous float32 {[*codes.shape[:-1], self.width]}, "
+                f"got {out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ' (strided)'}"
+            )
+        return self._decode(codes, dtype, out)
+
+    @abstractmethod
+    def _decode(self, codes: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+        """Checked uint8 [..., row_bytes] (rows may be strided) → [..., width] in `dtype`, or into `out`."""
+
+    def fake_quant(self, x: Tensor) -> Tensor:
+        """decode(encode(x)) in x's dtype — bit-identical to that composition by construction."""
+        return self.decode(self.encode(x), dtype=x.dtype)
+
+    def clip_rate(self, x: Tensor) -> float:
+        """Fraction of the values of x [..., width] outside [clip_lo, clip_hi] (0.0 without clipping)."""
+        if self.clip_lo is None or x.numel() == 0:
+            return 0.0
+        lo, hi = self.clip_lo.to(x.device), self.clip_hi.to(x.device)
+        return ((x < lo) | (x > hi)).float().mean().item()
+
+    def relative_error(self, x: Tensor, reduction: str = "mean") -> Tensor | float:
+        """||fake_quant(x) - x|| / ||x|| per row ([...] tensor, reduction='none') or its mean (float)."""
+        return _relative_error(self.fake_quant(x), x, reduction)
+
+
+class FloatCodec(RowCodec):
+    """fp32 / bf16 / fp16: the values themselves, `width` of them per row (clip bounds are kept for
+    `clip_rate` but never applied: a float part is stored as it comes)."""
+
+    def _encode_rows(self, x: Tensor) -> Tensor:
+        out = x.to(FLOAT_KINDS[self.spec.kind], copy=True).contiguous()  # codes never alias the input
+        if not torch.isfinite(out).all():  # NaN / Inf input stays NaN / Inf: one check on the hot path
+            self._raise_if(not torch.isfinite(x).all(), True, "values exceed the range of " + self.spec.kind)
+        return out.view(torch.uint8)
+
+    def _decode(self, codes: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+        try:  # a strided slice of whole rows reinterprets in place; the cast is the only copy
+            vals = codes.view(FLOAT_KINDS[self.spec.kind])
+        except RuntimeError:
+            vals = codes.contiguous().view(FLOAT_KINDS[self.spec.kind])
+        return vals.to(dtype, copy=True) if out is None else out.copy_(vals)  # never a view of the cache
+
+
+class IntCodec(RowCodec):
+    """int8 / int4, symmetric or asymmetric, with one FP16 scale (and FP16 lo) per group of channels."""
+
+    @property
+    def qmax(self) -> int:
+        """Largest symmetric code magnitude (127 / 7); asymmetric codes run 0..2*qmax+1."""
+        return (1 << (self.spec.bits - 1)) - 1
+
+    def _encode_rows(self, x: Tensor) -> Tensor:
+        lay = self.layout
         x32 = x.float()
-        xg = self._clip(x32).reshape(-1, self.n_groups, self.group_size)  # [N, G, g]
+        xg = self._clip(x32).reshape(-1, lay.n_groups, lay.group_size)  # [N, G, g]
         if self.spec.symmetric:
             scale = _fp16_round(xg.abs().amax(-1) / self.qmax, up=True)  # [N, G]
             safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
@@ -309,41 +424,9 @@ class RowCodec:
         p = torch.stack(params, 0)
         bad_in, bad_out = torch.stack([~torch.isfinite(x32).all(), ~torch.isfinite(p).all()]).tolist()
         self._raise_if(bad_in, bad_out, "group range exceeds the FP16 range of scales/zero points")
-        codes = self._pack(q.view(-1, self.width))
+        codes = self._pack(q.view(-1, lay.width))
         tail = [t.to(torch.float16).view(torch.uint8) for t in params]  # [N, 2G] each, little-endian
-        return torch.cat([codes, *tail], dim=1).reshape(*lead, self.row_bytes)
-
-    def _encode_fp8(self, x: Tensor) -> Tensor:
-        """[N, W] float → uint8 [N, row_bytes] (e4m3 codes, then FP16 scales for fp8-g<N>)."""
-        x32 = x.float()
-        if self.spec.is_static_fp8:
-            q = torch.clamp(x32 / self.fp8_scale, -FP8_MAX, FP8_MAX)  # saturate, as engines do
-            bad_in = bool(~torch.isfinite(x32).all())
-            self._raise_if(bad_in, False, "")
-            return q.to(torch.float8_e4m3fn).view(torch.uint8)
-        xg = self._clip(x32).reshape(-1, self.n_groups, self.group_size)  # [N, G, g]
-        scale = _fp16_round(xg.abs().amax(-1) / FP8_MAX, up=True)  # [N, G]
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-        q = torch.clamp(xg / safe, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-        bad_in, bad_out = torch.stack([~torch.isfinite(x32).all(), ~torch.isfinite(scale).all()]).tolist()
-        self._raise_if(bad_in, bad_out, "group range exceeds the FP16 range of scales")
-        tail = scale.to(torch.float16).view(torch.uint8)  # [N, 2G], little-endian
-        return torch.cat([q.view(-1, self.width), tail], dim=1)
-
-    def _decode_fp8(self, codes: Tensor) -> Tensor:
-        """uint8 [N, row_bytes] → float32 [N, W]."""
-        q = codes[:, : self.code_bytes].contiguous().view(torch.float8_e4m3fn).float()
-        if self.spec.is_static_fp8:
-            return q * self.fp8_scale
-        scale = codes[:, self.scale_offset : self.scale_offset + 2 * self.n_groups].contiguous()
-        x = q.view(-1, self.n_groups, self.group_size) * scale.view(torch.float16).float().unsqueeze(-1)
-        return x.view(-1, self.width)
-
-    def _raise_if(self, bad_in: bool, bad_out: bool, what: str) -> None:
-        if bad_in:
-            raise ValueError(f"codec {self.spec.name}: input contains NaN or Inf")
-        if bad_out:
-            raise ValueError(f"codec {self.spec.name}: {what}")
+        return torch.cat([codes, *tail], dim=1)
 
     def _pack(self, q: Tensor) -> Tensor:
         """Integer-valued float codes [N, W] → code bytes [N, code_bytes]."""
@@ -365,55 +448,73 @@ class RowCodec:
         nib[..., 1] = codes >> 4
         return out.sub_(8) if self.spec.symmetric else out
 
-    def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32, out: Tensor | None = None) -> Tensor:
-        """uint8 [..., row_bytes] → [..., width] in `dtype` (computed in FP32, then cast). With `out`
-        (float32, contiguous, [..., width]; `dtype` is then not used) the values are written there and
-        `out` is returned: the decode path reuses one buffer step after step instead of allocating."""
-        if codes.dtype != torch.uint8 or codes.shape[-1:] != (self.row_bytes,):
-            raise ValueError(
-                f"codec {self.spec.name}: expected uint8 [..., {self.row_bytes}], got {codes.dtype} {list(codes.shape)}"
-            )
-        if out is not None and (
-            out.dtype != torch.float32 or out.shape != (*codes.shape[:-1], self.width) or not out.is_contiguous()
-        ):
-            raise ValueError(
-                f"codec {self.spec.name}: out must be contiguous float32 {[*codes.shape[:-1], self.width]}, "
-                f"got {out.dtype} {list(out.shape)}{'' if out.is_contiguous() else ' (strided)'}"
-            )
-        if self.spec.is_float and self.spec.kind != FP8:
-            try:  # a strided slice of whole rows reinterprets in place; the cast is the only copy
-                vals = codes.view(FLOAT_KINDS[self.spec.kind])
-            except RuntimeError:
-                vals = codes.contiguous().view(FLOAT_KINDS[self.spec.kind])
-            return vals.to(dtype, copy=True) if out is None else out.copy_(vals)  # never a view of the cache
+    def _decode(self, codes: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+        lay = self.layout
         lead = codes.shape[:-1]
-        codes = codes.reshape(-1, self.row_bytes)
-        if self.spec.kind == FP8:
-            x = self._decode_fp8(codes).reshape(*lead, self.width)
-            return x.to(dtype) if out is None else out.copy_(x)
-        flat = None if out is None else out.view(-1, self.width)
-        x = self._unpack(codes[:, : self.code_bytes], flat).view(-1, self.n_groups, self.group_size)
-        scale = codes[:, self.scale_offset : self.scale_offset + 2 * self.n_groups].contiguous()
+        codes = codes.reshape(-1, lay.row_bytes)
+        flat = None if out is None else out.view(-1, lay.width)
+        x = self._unpack(codes[:, : lay.code_bytes], flat).view(-1, lay.n_groups, lay.group_size)
+        scale = codes[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups].contiguous()
         x.mul_(scale.view(torch.float16).float().unsqueeze(-1))
-        if not self.spec.symmetric:
-            lo = codes[:, self.zero_offset : self.zero_offset + 2 * self.n_groups].contiguous()
+        if lay.zero_offset is not None:
+            lo = codes[:, lay.zero_offset : lay.zero_offset + 2 * lay.n_groups].contiguous()
             x.add_(lo.view(torch.float16).float().unsqueeze(-1))
-        return x.view(-1, self.width).to(dtype).reshape(*lead, self.width) if out is None else out
+        return x.view(-1, lay.width).to(dtype).reshape(*lead, lay.width) if out is None else out
 
-    def fake_quant(self, x: Tensor) -> Tensor:
-        """decode(encode(x)) in x's dtype — bit-identical to that composition by construction."""
-        return self.decode(self.encode(x), dtype=x.dtype)
 
-    def clip_rate(self, x: Tensor) -> float:
-        """Fraction of the values of x [..., width] outside [clip_lo, clip_hi] (0.0 without clipping)."""
-        if self.clip_lo is None or x.numel() == 0:
-            return 0.0
-        lo, hi = self.clip_lo.to(x.device), self.clip_hi.to(x.device)
-        return ((x < lo) | (x > hi)).float().mean().item()
+class Fp8Codec(RowCodec):
+    """e4m3 codes: `fp8` with one static FP32 scale per layer (`fp8_scale`, not stored in the row), or
+    `fp8-g<N>` with a dynamic FP16 scale per group (`fp8_scale` None). A static part's clip bounds set
+    only its scale; `clip_lo` / `clip_hi` then report its saturation range ±448·s."""
 
-    def relative_error(self, x: Tensor, reduction: str = "mean") -> Tensor | float:
-        """||fake_quant(x) - x|| / ||x|| per row ([...] tensor, reduction='none') or its mean (float)."""
-        return _relative_error(self.fake_quant(x), x, reduction)
+    def __init__(
+        self, layout: PartLayout, clip_lo: Tensor | None, clip_hi: Tensor | None, fp8_scale: float | None
+    ) -> None:
+        super().__init__(layout, clip_lo, clip_hi)
+        self.fp8_scale = None
+        if not self.spec.is_static_fp8:
+            return
+        if fp8_scale is None:
+            fp8_scale = 1.0 if self.clip_lo is None else fp8_static_scale(self.clip_lo, self.clip_hi)
+        if not (isinstance(fp8_scale, (int, float)) and math.isfinite(fp8_scale) and fp8_scale > 0):
+            raise CodecError(f"codec fp8: static scale must be a finite float > 0, got {fp8_scale!r}")
+        self.fp8_scale = float(torch.tensor(fp8_scale, dtype=torch.float32))
+        bound = torch.full((self.width,), FP8_MAX * self.fp8_scale)
+        self.clip_lo, self.clip_hi = -bound, bound
+
+    def _repr_extra(self) -> str:
+        return super()._repr_extra() if self.fp8_scale is None else f", scale={self.fp8_scale:.6g}"
+
+    def _encode_rows(self, x: Tensor) -> Tensor:
+        """[N, W] float → uint8 [N, row_bytes] (e4m3 codes, then FP16 scales for fp8-g<N>)."""
+        lay = self.layout
+        x32 = x.float()
+        if self.fp8_scale is not None:
+            q = torch.clamp(x32 / self.fp8_scale, -FP8_MAX, FP8_MAX)  # saturate, as engines do
+            bad_in = bool(~torch.isfinite(x32).all())
+            self._raise_if(bad_in, False, "")
+            return q.to(torch.float8_e4m3fn).view(torch.uint8)
+        xg = self._clip(x32).reshape(-1, lay.n_groups, lay.group_size)  # [N, G, g]
+        scale = _fp16_round(xg.abs().amax(-1) / FP8_MAX, up=True)  # [N, G]
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+        q = torch.clamp(xg / safe, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        bad_in, bad_out = torch.stack([~torch.isfinite(x32).all(), ~torch.isfinite(scale).all()]).tolist()
+        self._raise_if(bad_in, bad_out, "group range exceeds the FP16 range of scales")
+        tail = scale.to(torch.float16).view(torch.uint8)  # [N, 2G], little-endian
+        return torch.cat([q.view(-1, lay.width), tail], dim=1)
+
+    def _decode(self, codes: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+        lay = self.layout
+        lead = codes.shape[:-1]
+        codes = codes.reshape(-1, lay.row_bytes)
+        q = codes[:, : lay.code_bytes].contiguous().view(torch.float8_e4m3fn).float()  # [N, W]
+        if self.fp8_scale is not None:
+            x = q * self.fp8_scale
+        else:
+            scale = codes[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups].contiguous()
+            x = (q.view(-1, lay.n_groups, lay.group_size) * scale.view(torch.float16).float().unsqueeze(-1))
+        x = x.view(-1, lay.width).reshape(*lead, lay.width)
+        return x.to(dtype) if out is None else out.copy_(x)
 
 
 def _relative_error(xq: Tensor, x: Tensor, reduction: str) -> Tensor | float:
@@ -426,13 +527,13 @@ def _relative_error(xq: Tensor, x: Tensor, reduction: str) -> Tensor | float:
     return rel if reduction == "none" else rel.mean().item()
 
 
-class LayerCodec:
-    """One layer's row = [c_kv part | k_pe part], concatenated bytes (k_pe part at byte `ckv.row_bytes`)."""
+class LayerCodec(_LaidOut):
+    """One layer's row = [c_kv part | k_pe part], concatenated bytes; `layout` (a `RowLayout`) places
+    the parts (k_pe part at byte `layout.kpe_offset`)."""
 
     def __init__(self, ckv: RowCodec, kpe: RowCodec) -> None:
         self.ckv, self.kpe = ckv, kpe
-        self.row_bytes = ckv.row_bytes + kpe.row_bytes
-        self.width = ckv.width + kpe.width
+        self.layout = RowLayout(ckv.layout, kpe.layout)
 
     @staticmethod
     def from_names(
@@ -465,8 +566,8 @@ class LayerCodec:
         if static and fp8_scale is None and (clip_lo is not None or clip_hi is not None):
             fp8_scale = fp8_static_scale(*(torch.cat([t[sl] for sl in static]) for t in (clip_lo, clip_hi)))
         return LayerCodec(
-            RowCodec(specs[0], d_c, part(clip_lo, c), part(clip_hi, c), fp8_scale),
-            RowCodec(specs[1], d_r, part(clip_lo, r), part(clip_hi, r), fp8_scale),
+            RowCodec.build(specs[0], d_c, part(clip_lo, c), part(clip_hi, c), fp8_scale),
+            RowCodec.build(specs[1], d_r, part(clip_lo, r), part(clip_hi, r), fp8_scale),
         )
 
     @property
@@ -486,7 +587,7 @@ class LayerCodec:
     def encode(self, rows: Tensor) -> Tensor:
         """[..., d_c + d_r] float → uint8 [..., row_bytes]."""
         self._check_rows(rows)
-        c_kv, k_pe = rows.split([self.ckv.width, self.kpe.width], dim=-1)
+        c_kv, k_pe = rows.split([self.layout.ckv.width, self.layout.kpe.width], dim=-1)
         return torch.cat([self.ckv.encode(c_kv), self.kpe.encode(k_pe)], dim=-1)
 
     def decode(self, codes: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -501,7 +602,7 @@ class LayerCodec:
         if codes.shape[-1:] != (self.row_bytes,):
             shape = list(codes.shape)
             raise ValueError(f"layer codec {self.name}: expected [..., {self.row_bytes}] bytes, got {shape}")
-        c, r = codes.split([self.ckv.row_bytes, self.kpe.row_bytes], dim=-1)
+        c, r = codes.split([self.layout.kpe_offset, self.layout.kpe.row_bytes], dim=-1)
         c_out, r_out = (None, None) if out is None else out
         return self.ckv.decode(c, dtype, c_out), self.kpe.decode(r, dtype, r_out)
 
@@ -512,7 +613,7 @@ class LayerCodec:
     def clip_rate(self, rows: Tensor) -> float:
         """Fraction of the values of rows [..., d_c + d_r] outside the calibrated clip bounds."""
         self._check_rows(rows)
-        c_kv, k_pe = rows.split([self.ckv.width, self.kpe.width], dim=-1)
+        c_kv, k_pe = rows.split([self.layout.ckv.width, self.layout.kpe.width], dim=-1)
         n_c, n_r = c_kv.numel(), k_pe.numel()
         if n_c + n_r == 0:
             return 0.0

@@ -2,7 +2,8 @@
 
 Every config in `mlaquant.configs/*.yaml` maps onto one dataclass here or in the module that owns
 it. `load_config(cls, source)` accepts a path, a mapping or None (the packaged default) and rejects
-unknown keys by name, so a typo never silently falls back to a default.
+unknown keys by name, so a typo never silently falls back to a default, and a `version` other than
+the dataclass's own (its `version` field's default) by file and number.
 """
 
 from __future__ import annotations
@@ -91,24 +92,49 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+def _check_version(cls: type, data: dict, where: str) -> None:
+    """Refuse `data` whose `version` is not the one `cls` declares (its `version` field's default)."""
+    known = {f.name: f.default for f in dataclasses.fields(cls)}.get("version", dataclasses.MISSING)
+    if known is not dataclasses.MISSING and "version" in data and data["version"] != known:
+        raise ConfigError(f"{where}: unknown config version {data['version']!r} (this mlaquant reads version {known})")
+
+
 def load_config(cls: type[T], source: str | Path | dict | T | None, default_file: str) -> T:
-    """Load `cls` from a path, a mapping, an instance, or (None) the packaged `default_file`."""
+    """Load `cls` from a path, a mapping, an instance, or (None) the packaged `default_file`.
+
+    A `version` other than the one `cls` declares is refused; a source without `version` is read as
+    the declared one.
+    """
     if isinstance(source, cls):
         return source
     if source is None:
         path = packaged_config_path(default_file)
-        return from_dict(cls, read_yaml(path), str(path))
-    if isinstance(source, dict):
-        return from_dict(cls, source)
-    return from_dict(cls, read_yaml(source), str(source))
+        data, where = read_yaml(path), str(path)
+    elif isinstance(source, dict):
+        data, where = source, "config"
+    else:
+        data, where = read_yaml(source), str(source)
+    _check_version(cls, data, where)
+    return from_dict(cls, data, where)
+
+
+def chunk_for_context(schedule: tuple, context_len: int) -> int:
+    """The chunk length a `[up_to_context, chunk_tokens]` schedule gives a context of `context_len` tokens.
+
+    The first pair whose bound exceeds `context_len` wins; the last pair covers everything longer (its bound
+    is ignored). One schedule for prefill chunks (`RuntimeConfig`) and split-KV chunks (`KernelConfig`).
+    """
+    for bound, chunk in schedule[:-1]:
+        if context_len < bound:
+            return int(chunk)
+    return int(schedule[-1][1])
 
 
 @dataclasses.dataclass
 class RuntimeConfig:
     """Decode-time settings (`configs/runtime.yaml`).
 
-    `prefill_chunks` lists `[up_to_context, chunk_tokens]` pairs; the first pair whose bound is at
-    least the context length wins and the last pair covers everything longer.
+    `prefill_chunks` lists `[up_to_context, chunk_tokens]` pairs, read by `chunk_for_context`.
     """
 
     version: int = 1
@@ -123,10 +149,7 @@ class RuntimeConfig:
 
     def chunk_for(self, context_len: int) -> int:
         """Prefill chunk length for a total context of `context_len` tokens."""
-        for bound, chunk in self.prefill_chunks[:-1]:
-            if context_len < bound:
-                return int(chunk)
-        return int(self.prefill_chunks[-1][1])
+        return chunk_for_context(self.prefill_chunks, context_len)
 
 
 def load_runtime_config(source: str | Path | dict | RuntimeConfig | None = None) -> RuntimeConfig:

@@ -17,12 +17,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import platform
 import sysconfig
-import tempfile
 from pathlib import Path
 
+from mlaquant.atomic import atomic_write
 from mlaquant.errors import MLAQuantError
 
 HELD_OUT = ("calibration", "validation", "test")
@@ -113,19 +112,6 @@ def split_sources(
     return out
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are package data
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_splits(splits: dict[str, list[SourceFile]], out_dir: str | Path, source_root: str | Path) -> dict:
     """Write the held-out splits as JSONL plus `manifest.json` into `out_dir`; returns the manifest."""
     out_dir = Path(out_dir)
@@ -138,7 +124,7 @@ def write_splits(splits: dict[str, list[SourceFile]], out_dir: str | Path, sourc
     }
     for name in HELD_OUT:
         lines = [json.dumps({"path": f.path, "text": f.text}, ensure_ascii=False) for f in splits[name]]
-        _atomic_write_text(out_dir / f"{name}.jsonl", "".join(line + "\n" for line in lines))
+        atomic_write(out_dir / f"{name}.jsonl", "".join(line + "\n" for line in lines))
         manifest["splits"][name] = {
             "file": f"{name}.jsonl",
             "bytes": sum(f.nbytes for f in splits[name]),
@@ -146,7 +132,7 @@ def write_splits(splits: dict[str, list[SourceFile]], out_dir: str | Path, sourc
         }
     train = splits["train"]
     manifest["splits"]["train"] = {"files": len(train), "bytes": sum(f.nbytes for f in train)}
-    _atomic_write_text(out_dir / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    atomic_write(out_dir / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 

@@ -46,13 +46,15 @@ import torch
 from torch import Tensor
 
 from mlaquant.codecs import LayerCodec, RowCodec
+from mlaquant.decode_inputs import DecodeInputs
 
 BLOCK_TOKENS = 1024  # tokens per block: 1024 x 512 FP32 values = 2 MiB (fewer, larger calls measured faster than 512)
 _INT_KINDS = ("int8", "int4")
 
 
 def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """The Triton kernel's query quantization (`kernels.mla_decode.quantize_query`, bit-identical):
+    """The Triton kernel's query quantization, bit-identical (tests/test_kernel_mla_decode.py compares the
+    kernel's scales and INT32 dots against it):
     q [..., W] float → (q8 int8 [..., W], qs fp32 [..., W / group_size]); qs = absmax / 127 per group
     (1 for an all-zero group), q8 = round_half_even(q / qs)."""
     x = q.float().unflatten(-1, (-1, group_size))
@@ -70,7 +72,7 @@ class _Part:
         self.rc, self.offset = rc, offset
         self.is_int = rc.spec.kind in _INT_KINDS
         self.asym = self.is_int and not rc.spec.symmetric
-        self.n_g, self.g = (rc.n_groups, rc.group_size) if self.is_int else (1, rc.width)
+        self.n_g, self.g = (rc.layout.n_groups, rc.layout.group_size) if self.is_int else (1, rc.width)
 
     def bytes_of(self, raw: Tensor) -> Tensor:
         """The part's bytes of block rows raw uint8 [t, row_bytes] → [t, part bytes] (a view)."""
@@ -78,16 +80,16 @@ class _Part:
 
     def params(self, part: Tensor) -> tuple[Tensor, Tensor | None]:
         """FP16 scales and dot-form zero points lo' of an integer part's bytes → fp32 [t, n_g] each."""
-        rc = self.rc
-        s = part[:, rc.scale_offset : rc.scale_offset + 2 * self.n_g].contiguous().view(torch.float16).float()
+        lay = self.rc.layout
+        s = part[:, lay.scale_offset : lay.scale_offset + 2 * self.n_g].contiguous().view(torch.float16).float()
         if not self.asym:
             return s, None
-        lo = part[:, rc.zero_offset : rc.zero_offset + 2 * self.n_g].contiguous().view(torch.float16).float()
-        return s, lo + (128.0 if rc.spec.kind == "int8" else 8.0) * s
+        lo = part[:, lay.zero_offset : lay.zero_offset + 2 * self.n_g].contiguous().view(torch.float16).float()
+        return s, lo + (128.0 if lay.spec.kind == "int8" else 8.0) * s
 
     def codes(self, part: Tensor) -> Tensor:
         """Dot-form int8 codes [t, W] of an integer part (sym int8: a strided view of the block)."""
-        rc, raw = self.rc, part[:, : self.rc.code_bytes]
+        rc, raw = self.rc, part[:, : self.rc.layout.code_bytes]
         if rc.spec.kind == "int8":
             return raw.view(torch.int8) if rc.spec.symmetric else (raw ^ 0x80).view(torch.int8)
         out = torch.empty(raw.shape[0], rc.width, dtype=torch.int8)
@@ -186,22 +188,6 @@ def _blocks(pool: Tensor, pages: list[int], n_tokens: int, block_tokens: int):
         yield raw.reshape(len(chunk) * block_size, row_bytes)[: n_tokens - i * block_size]
 
 
-def read_pages(pool: Tensor, block_table: Tensor, seq_lens: Tensor) -> tuple[list[list[int]], list[int]]:
-    """(block ids of each sequence's pages, seq_lens) as host lists, checked against the pool and table."""
-    num_blocks, block_size, _ = pool.shape
-    lens = seq_lens.tolist()
-    if lens and (min(lens) < 0 or max(lens) > block_table.shape[1] * block_size):
-        raise ValueError(
-            f"mla_decode: seq_lens must lie in [0, {block_table.shape[1] * block_size}] "
-            f"(max_blocks x block_size), got {lens}"
-        )
-    n_pages = -(-max(lens, default=0) // block_size)
-    pages = [row[: -(-n // block_size)] for row, n in zip(block_table[:, :n_pages].tolist(), lens)]
-    if any(p < 0 or p >= num_blocks for row in pages for p in row):
-        raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
-    return pages, lens
-
-
 def mla_decode_cpu(
     q: Tensor,
     pool: Tensor,
@@ -215,8 +201,8 @@ def mla_decode_cpu(
     """Fast CPU `mla_decode` (module docstring): q [B, H, d_c + d_r] float, pool uint8 [num_blocks,
     block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B] → out [B, H, d_c] fp32,
     lse [B, H] fp32 (seq_lens 0: out 0, lse −inf). block_tokens: tokens per block (rounded to whole pages)."""
-    pages, lens = read_pages(pool, block_table, seq_lens)
-    parts = (_Part(codec.ckv, 0), _Part(codec.kpe, codec.ckv.row_bytes))
+    pages, lens = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c).host_pages()
+    parts = (_Part(codec.ckv, 0), _Part(codec.kpe, codec.layout.kpe_offset))
     batch, heads, _ = q.shape
     out, lse = torch.zeros(batch, heads, d_c), torch.full((batch, heads), float("-inf"))
     for b, (row, n) in enumerate(zip(pages, lens)):
@@ -240,8 +226,8 @@ def error_bound(q: Tensor, rows: list[Tensor], codec: LayerCodec, d_c: int, scal
         bound = (qb.abs() @ k_abs.t()) * 2.0**-20  # [H, T]: FP32 products and sums
         for rc, sl in ((codec.ckv, slice(0, d_c)), (codec.kpe, slice(d_c, None))):
             if rc.spec.kind in _INT_KINDS:
-                _, qs = quantize_query(qb[:, sl], rc.group_size)  # [H, n_g]
-                bound += (qs / 2) @ k_abs[:, sl].unflatten(-1, (-1, rc.group_size)).sum(-1).t()
+                _, qs = quantize_query(qb[:, sl], rc.layout.group_size)  # [H, n_g]
+                bound += (qs / 2) @ k_abs[:, sl].unflatten(-1, (-1, rc.layout.group_size)).sum(-1).t()
         ds = scale * (1 + 2.0**-10) * bound.amax(-1) if kv.shape[0] else torch.zeros(qb.shape[0])
         vmax = kv[:, :d_c].abs().amax(0) if kv.shape[0] else torch.zeros(d_c)
         d_score.append(ds)

@@ -14,9 +14,10 @@ represent. It is refused with an error naming the layers, unless `--map-to-fp8`:
 become static fp8 with the k_scale above. Layers caching a Hadamard-rotated latent are always
 refused: the engine caches the unrotated latent, whose range the plan does not hold.
 
-Before anything is written, the exported cache is measured here: the test split through the
-engine-equivalent codecs (and, for comparison, at scale 1.0 — what an engine without scales does),
-streamed one layer at a time. An export over the plan's budget is refused unless `--force`.
+Before anything is written, the exported cache is measured here: the test data the plan recorded
+(`settings.test_data`, or `--test-data`) through the engine-equivalent codecs (and, for comparison,
+at scale 1.0 — what an engine without scales does), streamed one layer at a time. An export over
+the plan's budget is refused unless `--force`.
 
 Output (written atomically to a temp dir, then renamed): every top-level file of the model directory
 (safetensors hard-linked, or symlinked across file systems, or copied with `--copy`), plus
@@ -220,18 +221,18 @@ def _check_out(out: Path, model_dir: Path, plan_dir: Path) -> None:
 
 def measure(model, plan: Plan, scales: list[float], args: argparse.Namespace) -> dict:
     """Test-split metrics of the engine-equivalent cache (and at scale 1.0), on the plan's test samples."""
-    from mlaquant.calib.data import split_path, token_samples
+    from mlaquant.samples import token_samples
     from mlaquant.stream import StreamedEvaluator
 
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json; export measures the exported cache on text")
     s = plan.settings
-    eos = model.cfg.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
-    data = args.test_data or s.get("test_data") or split_path("test")
+    data = args.test_data or s.get("test_data")
+    if not data:
+        raise MLAQuantError(f"{args.plan}: the plan records no test data; pass --test-data PATH to measure on")
     samples = args.samples or s.get("test_samples") or 64
     seq_len = args.seq_len or s.get("seq_len") or 512
-    tokens = token_samples(model.tokenizer, data, samples, seq_len, s.get("seed", 0) + 2, eos)
+    tokens = token_samples(model.tokenizer, data, samples, seq_len, s.get("seed", 0) + 2, model.cfg.eos_id)
     evaluator = StreamedEvaluator(model, tokens, s.get("batch_size") or 8)
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     exported = evaluator.evaluate(engine_codecs(scales, d_c, d_r)).as_dict()
@@ -294,7 +295,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--map-to-fp8", action="store_true", help="export other codecs as fp8 (loss measured)")
     p.add_argument("--force", action="store_true", help="export even if the measured loss is over the budget")
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard/sym-linking them")
-    p.add_argument("--test-data", default=None, help="text to measure on (default: the plan's test split)")
+    p.add_argument("--test-data", default=None, help="text to measure on (default: the test data the plan recorded)")
     p.add_argument("--samples", type=int, default=None, help="test samples (default: the plan's)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the plan's)")
 

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import torch
 
-from mlaquant.calib.observers import percentile_bounds
 from mlaquant.codecs import LayerCodec
 from mlaquant.config import ConfigError, load_config
+from mlaquant.ranges import percentile_bounds
 
 log = logging.getLogger(__name__)
 

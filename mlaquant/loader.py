@@ -44,7 +44,7 @@ def read_config(path: Path) -> MLAConfig:
     return MLAConfig.from_hf(raw, str(cfg_file))
 
 
-def _weight_files(path: Path) -> dict[str, Path]:
+def weight_files(path: Path) -> dict[str, Path]:
     """tensor name → safetensors file holding it."""
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
@@ -73,7 +73,7 @@ def _weight_files(path: Path) -> dict[str, Path]:
     raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-class _TensorReader:
+class TensorReader:
     """Reads named tensors from memory-mapped safetensors files, keeping each file open once."""
 
     def __init__(self, files: dict[str, Path]) -> None:
@@ -139,7 +139,7 @@ def _hf_name(ours: str) -> str:
     return "model." + ours
 
 
-def _expert_tensor(reader: _TensorReader, prefix: str, ours: str, e_count: int, inter: int) -> torch.Tensor:
+def _expert_tensor(reader: TensorReader, prefix: str, ours: str, e_count: int, inter: int) -> torch.Tensor:
     """Stacked routed-expert weight [E, ...] from per-expert or fused checkpoint tensors."""
     proj = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}[ours]
     per_expert = f"{prefix}.experts.0.{proj}.weight"
@@ -151,7 +151,7 @@ def _expert_tensor(reader: _TensorReader, prefix: str, ours: str, e_count: int, 
     return gate_up[:, :inter] if ours == "w_gate" else gate_up[:, inter:]
 
 
-def read_parameter(reader: _TensorReader, cfg: MLAConfig, name: str, shape: tuple, where: Path) -> torch.Tensor:
+def read_parameter(reader: TensorReader, cfg: MLAConfig, name: str, shape: tuple, where: Path) -> torch.Tensor:
     """Our parameter `name` [shape] from the checkpoint in its stored dtype (FP8 blocks dequantized): experts
     gathered, RoPE rows de-interleaved; a shape that disagrees with config.json is a CheckpointError."""
     prefix, _, leaf = name.rpartition(".")
@@ -180,7 +180,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     if not path.is_dir():
         raise CheckpointError(f"{path}: model directory not found")
     cfg = read_config(path)
-    reader = _TensorReader(_weight_files(path))
+    reader = TensorReader(weight_files(path))
     with torch.device("meta"):
         model = MLAModel(cfg)
     state = {}

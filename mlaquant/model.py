@@ -28,7 +28,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -345,6 +345,42 @@ class MLAAttention(nn.Module):
         return self.o_proj(o.reshape(*o.shape[:2], -1))
 
 
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor,
+    near: tuple[torch.Tensor, torch.Tensor] | None = None,
+    use_near: torch.Tensor | None = None,
+    with_lse: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Softmax attention (FP32 softmax) of T queries over S keys, each query reading only its `visible` keys.
+
+    q [B, T, H, D]; k [B, S, H, D] per head or [B, S, D] shared (MQA); v [B, S, H, E] or [B, S, E];
+    visible: bool, broadcastable to [B, H, T, S]. With `near` = (k, v) of the last W keys (shapes as k, v
+    with W for S), the (query, key) pairs of `use_near` (bool [T, S], False outside the last W keys) read
+    them instead of k, v: a residual window of unquantized rows. Returns (out [B, T, H, E] in q.dtype,
+    log-sum-exp of the scaled scores [B, H, T] float32 when `with_lse`, else None).
+    """
+    k_sub = "bshd" if k.dim() == 4 else "bsd"
+    v_sub = "bshe" if v.dim() == 4 else "bse"
+    scores = torch.einsum(f"bthd,{k_sub}->bhts", q, k) * scale  # [B, H, T, S]
+    S = scores.shape[-1]
+    if near is not None:
+        W = near[0].shape[1]
+        near_scores = torch.einsum(f"bthd,{k_sub}->bhts", q, near[0]) * scale  # [B, H, T, W]
+        scores[..., S - W :] = torch.where(use_near[:, S - W :], near_scores, scores[..., S - W :])
+    scores.masked_fill_(~visible, float("-inf"))
+    lse = scores.logsumexp(-1) if with_lse else None
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    del scores  # [B, H, T, S]: free it before the weighted sums (long prefill chunks)
+    if near is None:
+        return torch.einsum(f"bhts,{v_sub}->bthe", probs, v), lse
+    out = torch.einsum(f"bhts,{v_sub}->bthe", probs * ~use_near, v)
+    return out + torch.einsum(f"bhts,{v_sub}->bthe", probs[..., S - W :] * use_near[:, S - W :], near[1]), lse
+
+
 def causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -353,24 +389,37 @@ def causal_attention(
     near: tuple[torch.Tensor, torch.Tensor] | None = None,
     window: int = 0,
 ) -> torch.Tensor:
-    """Causal softmax attention (FP32 softmax). q [B, T, H, D]; k [B, T, H, D] per head or [B, T, D] shared
-    (MQA); v [B, T, H, E] or [B, T, E] → [B, T, H, E]. With `near` = (k, v) of the same shapes, query t reads
-    them for keys t − window < s ≤ t and k, v for older keys."""
-    k_sub = "bshd" if k.dim() == 4 else "bsd"
-    v_sub = "bshe" if v.dim() == 4 else "bse"
-    T = q.shape[1]
-    scores = torch.einsum(f"bthd,{k_sub}->bhts", q, k) * scale  # [B, H, T, T]
-    pos = torch.arange(T, device=q.device)
-    causal = pos[None] <= pos[:, None]
+    """Causal `masked_attention` of the last T positions of a sequence over all S of its keys.
+
+    q [B, T, H, D] (positions S−T .. S−1); k, v as in `masked_attention`. With `near` = (k, v) of the
+    last W positions and `window` R, the query at position p reads `near` for keys p − R < s ≤ p (within
+    those W) and k, v for older keys. Returns [B, T, H, E].
+    """
+    T, S = q.shape[1], k.shape[1]
+    q_pos = torch.arange(S - T, S, device=q.device)[:, None]
+    k_pos = torch.arange(S, device=q.device)[None]
+    visible = k_pos <= q_pos  # [T, S]
+    use_near = None
     if near is not None:
-        recent = causal & (pos[:, None] - pos[None] < window)
-        scores = torch.where(recent, torch.einsum(f"bthd,{k_sub}->bhts", q, near[0]) * scale, scores)
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-    if near is None:
-        return torch.einsum(f"bhts,{v_sub}->bthe", probs, v)
-    return torch.einsum(f"bhts,{v_sub}->bthe", probs * ~recent, v) + torch.einsum(
-        f"bhts,{v_sub}->bthe", probs * recent, near[1]
-    )
+        use_near = visible & (q_pos - k_pos < window) & (k_pos >= S - near[0].shape[1])
+    return masked_attention(q, k, v, scale, visible, near, use_near)[0]
+
+
+def weights_fingerprint(cfg: MLAConfig, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 (hex) over `cfg` and, per (name, tensor) in the order given (sorted by name by both callers),
+    the name, the shape and a strided bf16 sample (every ⌊numel/4096⌋-th element) of the tensor.
+
+    Dtype-independent up to bf16 rounding; tensors are consumed one at a time, so a generator that reads
+    each from disk keeps one in memory (`StreamedModel.fingerprint`).
+    """
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str).encode())
+    for name, t in named_tensors:
+        flat = t.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 4096)].to(torch.bfloat16).cpu()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(sample.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
 
 
 class MLP(nn.Module):
@@ -496,14 +545,7 @@ class MLAModel(nn.Module):
         Plans record it so a plan calibrated on one model is refused by another, including the same
         architecture with different (or deliberately modified) weights.
         """
-        h = hashlib.sha256(json.dumps(dataclasses.asdict(self.cfg), sort_keys=True, default=str).encode())
-        for name, t in sorted(self.state_dict().items()):
-            flat = t.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // 4096)].to(torch.bfloat16).cpu()
-            h.update(name.encode())
-            h.update(str(tuple(t.shape)).encode())
-            h.update(sample.view(torch.int16).numpy().tobytes())
-        return h.hexdigest()
+        return weights_fingerprint(self.cfg, sorted(self.state_dict().items()))
 
     @torch.no_grad()
     def forward(

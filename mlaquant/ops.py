@@ -1,7 +1,7 @@
 """The MLA decode-attention op over a paged, quantized latent cache: one definition, two backends.
 
 Decode with W_UK absorbed into the query is MQA with one KV head whose rows are the cached
-`[c_kv | k_pe]` latents (see DESIGN.md):
+`[c_kv | k_pe]` latents (the notation and both attention paths: the docstring of `mlaquant/model.py`):
 
     score[b, h, t] = scale * (q[b, h, :d_c] · c_kv[b, t] + q[b, h, d_c:] · k_pe[b, t])   t < seq_lens[b]
     out[b, h]      = softmax_t(score[b, h]) @ c_kv[b]          (V is a view of c_kv; W_UV comes later)
@@ -17,6 +17,7 @@ Backends (`Backend`): "torch" is the FP32 reference in this file; "triton" is
 TRITON_INTERPRET=1; "cpu" is the fast CPU path `mlaquant.cpu_decode.mla_decode_cpu` (integer scores, blocked
 P·V, its error bound in its docstring); "auto" picks triton for CUDA tensors when the kernel imports and
 reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors, else torch.
+Every backend checks its arguments against the one input contract, `mlaquant.decode_inputs.DecodeInputs`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from mlaquant.codecs import LayerCodec
 from mlaquant.cpu_decode import mla_decode_cpu
+from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
 
 # op -> (module, function) of its Triton implementation
@@ -98,28 +100,6 @@ def resolve_backend(backend: str | Backend, device: torch.device | str, op: str 
     return Backend.TRITON.value
 
 
-def _check_args(q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec: LayerCodec, d_c: int):
-    """Shape/dtype/device checks that need no device synchronisation."""
-    if q.dim() != 3 or q.shape[-1] != codec.width or not q.is_floating_point():
-        raise ValueError(f"mla_decode: q must be float [B, H, {codec.width}], got {q.dtype} {list(q.shape)}")
-    if d_c != codec.ckv.width:
-        raise ValueError(f"mla_decode: d_c={d_c} but codec {codec.name} has c_kv width {codec.ckv.width}")
-    if pool.dtype != torch.uint8 or pool.dim() != 3 or pool.shape[-1] != codec.row_bytes:
-        raise ValueError(
-            f"mla_decode: pool must be uint8 [num_blocks, block_size, {codec.row_bytes}] for {codec.name}, "
-            f"got {pool.dtype} {list(pool.shape)}"
-        )
-    batch = q.shape[0]
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.is_floating_point():
-        shape = list(block_table.shape)
-        raise ValueError(f"mla_decode: block_table must be int [{batch}, max_blocks], got {shape}")
-    if tuple(seq_lens.shape) != (batch,) or seq_lens.is_floating_point():
-        raise ValueError(f"mla_decode: seq_lens must be int [{batch}], got {list(seq_lens.shape)}")
-    devices = {t.device for t in (q, pool, block_table, seq_lens)}
-    if len(devices) != 1:
-        raise ValueError(f"mla_decode: q, pool, block_table, seq_lens must share a device, got {devices}")
-
-
 def _kernel_reads(codec: LayerCodec, device: torch.device) -> bool:
     """Whether the Triton kernel takes this codec on `device` ("auto" sends the others to torch)."""
     module = importlib.import_module(KERNELS["mla_decode"][0])
@@ -148,7 +128,6 @@ def mla_decode(
     scratch: buffers the torch path reuses between calls (see `Scratch`); the Triton kernel and the cpu path
     (cache-sized blocks) need none.
     """
-    _check_args(q, pool, block_table, seq_lens, codec, d_c)
     resolved = resolve_backend(backend, q.device)
     if resolved == Backend.CPU.value:
         return mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale)
@@ -178,21 +157,11 @@ def mla_decode_reference(
     allocator has handed its memory back to the OS — every step from 16k tokens on, where FP32 c_kv
     reaches 32 MiB, glibc's largest mmap threshold.
     """
-    _check_args(q, pool, block_table, seq_lens, codec, d_c)
+    inputs = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c)
     scratch = Scratch() if scratch is None else scratch
-    num_blocks, block_size, _ = pool.shape
-    lens = seq_lens.tolist()
-    if min(lens) < 0 or max(lens) > block_table.shape[1] * block_size:
-        raise ValueError(
-            f"mla_decode: seq_lens must lie in [0, {block_table.shape[1] * block_size}] "
-            f"(max_blocks x block_size), got {lens}"
-        )
-    t_max = max(lens)
-    n_pages = -(-t_max // block_size)
-    # the table on the host: a few hundred ints, checked and read without per-element device ops
-    pages = [row[: -(-n // block_size)] for row, n in zip(block_table[:, :n_pages].tolist(), lens)]
-    if any(p < 0 or p >= num_blocks for row in pages for p in row):
-        raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
+    pages, lens = inputs.host_pages()
+    t_max = max(lens, default=0)
+    n_pages = -(-t_max // pool.shape[1])
     raw = _gather_pages(pool, [row + [0] * (n_pages - len(row)) for row in pages])[:, :t_max]  # [B, T, row_bytes]
     batch, heads, _ = q.shape
     # the two parts are decoded apart and never concatenated: one less pass over the rows per step

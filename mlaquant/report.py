@@ -1,6 +1,6 @@
 """The sweep's outputs: `report.md`, `report.json`, `sweep.png`, `memory.png`, written atomically.
 
-A report is one dict (built by `mlaquant.sweep`): `settings`, `versions`, `model` (path, fingerprint,
+A report is one dict (built by `mlaquant.calib.sweep`): `settings`, `versions`, `model` (path, fingerprint,
 dims), `tokens`, `reference`, `rows`, `pareto`, `target`, `findings`, `seconds`. Each row carries its
 measured numbers — `bytes_per_token_per_layer`, `bits_per_value`, `metrics` (loss = relative ppl
 increase, KL, top-1, tokens), `decode_tokens_per_s` — and the columns derived from them here
@@ -14,24 +14,11 @@ i.e. no row has fewer-or-equal bits *and* lower-or-equal loss with one of them s
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
+from mlaquant.atomic import atomic_write
+
 MIB = 1 << 20
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write `data` to `path` through a temp file in the same directory and os.replace."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def is_measured(row: dict) -> bool:
@@ -426,15 +413,15 @@ def _save_png(fig, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    write_atomic(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 def write_report(report: dict, out_dir: Path) -> dict[str, Path]:
     """Write report.json, report.md, sweep.png and memory.png into out_dir (each atomically)."""
     out_dir = Path(out_dir)
     paths = {name: out_dir / name for name in ("report.json", "report.md", "sweep.png", "memory.png")}
-    write_atomic(paths["report.json"], json.dumps(report, indent=1, allow_nan=False) + "\n")
-    write_atomic(paths["report.md"], markdown(report))
+    atomic_write(paths["report.json"], json.dumps(report, indent=1, allow_nan=False) + "\n")
+    atomic_write(paths["report.md"], markdown(report))
     plot_sweep(report, paths["sweep.png"])
     plot_memory(report, paths["memory.png"])
     return paths

@@ -23,40 +23,13 @@ from mlaquant import ops
 from mlaquant.cache import LatentCache
 from mlaquant.config import RuntimeConfig, load_runtime_config
 from mlaquant.errors import MLAQuantError
-from mlaquant.model import MLAModel
+from mlaquant.model import MLAModel, causal_attention, masked_attention
 from mlaquant.plan import Plan, resolve_plan
 
 log = logging.getLogger(__name__)
 
 
-def latent_attention(
-    q: torch.Tensor, rows: torch.Tensor, d_c: int, scale: float, near: torch.Tensor | None = None, window: int = 0
-) -> torch.Tensor:
-    """Causal absorbed attention of the last T positions of a sequence over its rows.
-
-    q: [T, H, d_c + d_r] absorbed queries of positions L-T .. L-1; rows: [L, d_c + d_r] float32 as
-    read from the cache. With `near` [W, d_c + d_r] (the unquantized rows of the last W positions) and
-    `window` R, a query at position p reads `near` for keys p−R < s ≤ p — the residual FP16 window
-    simulated exactly per query. Returns o_lat [T, H, d_c] float32.
-    """
-    T, L = q.shape[0], rows.shape[0]
-    scores = torch.einsum("thd,ld->htl", q.float(), rows) * scale  # [H, T, L]
-    q_pos = torch.arange(L - T, L, device=q.device)[:, None]
-    visible = torch.arange(L, device=q.device)[None] <= q_pos
-    if near is None:
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        return torch.einsum("htl,lc->thc", probs, rows[:, :d_c])
-    W = near.shape[0]
-    use_near = (q_pos - torch.arange(L - W, L, device=q.device)[None] < window) & visible[:, L - W :]  # [T, W]
-    near_scores = torch.einsum("thd,wd->htw", q.float(), near) * scale
-    scores[..., L - W :] = torch.where(use_near, near_scores, scores[..., L - W :])
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    out = torch.einsum("htl,lc->thc", probs, rows[:, :d_c])
-    delta = near[:, :d_c] - rows[L - W :, :d_c]
-    return out + torch.einsum("htw,wc->thc", probs[..., L - W :] * use_near, delta)
-
-
-def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+def merge_exact_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     """Exact merge of softmax partials over disjoint key sets: outs [B, H, d], lses [B, H]."""
     if len(outs) == 1:
         return outs[0]
@@ -148,10 +121,12 @@ class DecodeSession:
             if self.guard is not None:
                 written[layer].append(rows[0])
             if not window:
-                return latent_attention(q[0], self.cache.read(layer, b), self.d_c, self.scale)[None]
-            near = torch.cat((before, rows[0].half().float()))
-            quantized = self.cache.read_quantized(layer, b)
-            return latent_attention(q[0], quantized, self.d_c, self.scale, near, window)[None]
+                cached = self.cache.read(layer, b)[None]  # [1, L, d_c + d_r] float32
+                return causal_attention(q.float(), cached, cached[..., : self.d_c], self.scale)
+            near = torch.cat((before, rows[0].half().float()))[None]  # [1, W, d_c + d_r]: the FP16 window
+            quantized = self.cache.read_quantized(layer, b)[None]
+            near_kv = (near, near[..., : self.d_c])
+            return causal_attention(q.float(), quantized, quantized[..., : self.d_c], self.scale, near_kv, window)
 
         return self.model.forward_absorbed(ids, positions, attend)
 
@@ -201,17 +176,16 @@ class DecodeSession:
             out, lse = self._attend_window(layer, q)
             outs.append(out)
             lses.append(lse)
-        return merge_partials(outs, lses)
+        return merge_exact_lse(outs, lses)
 
     def _attend_window(self, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention partial over the FP16 window rows: q [B, H, D] → out [B, H, d_c], lse [B, H]."""
         recent = [self.cache.recent_rows(layer, b) for b in range(q.shape[0])]
         rows = torch.nn.utils.rnn.pad_sequence(recent, batch_first=True)  # [B, W, D]
         valid = torch.arange(rows.shape[1], device=q.device)[None] < torch.tensor([r.shape[0] for r in recent])[:, None]
-        scores = torch.einsum("bhd,bwd->bhw", q, rows) * self.scale
-        scores = scores.masked_fill(~valid[:, None], float("-inf"))
-        lse = scores.logsumexp(-1)
-        return torch.einsum("bhw,bwc->bhc", (scores - lse[..., None]).exp(), rows[..., : self.d_c]), lse
+        visible = valid[:, None, None]  # [B, 1, 1, W]: every valid window row precedes the query
+        out, lse = masked_attention(q[:, None], rows, rows[..., : self.d_c], self.scale, visible, with_lse=True)
+        return out[:, 0], lse[:, :, 0]
 
     def cache_nbytes(self) -> int:
         """Bytes the cache stores for the tokens so far (codes, scales, zero points; no page padding)."""
@@ -263,8 +237,7 @@ def generate(
     logits = session.prefill(prompts)
     last = torch.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)])
     out: list[list[int]] = [[] for _ in prompts]
-    eos = model.cfg.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos]) if stop_at_eos and eos is not None else set()
+    eos_ids = set(model.cfg.eos_ids) if stop_at_eos else set()
     for step in range(max_new_tokens):
         nxt = sample_next(last, temperature, top_p, gen)
         for b, t in enumerate(nxt.tolist()):

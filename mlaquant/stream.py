@@ -9,9 +9,8 @@ temporary directory instead of memory.
 
 Each step runs `MLAModel.forward` itself, on a one-layer view (`_View`) and on the same batches as a
 loaded model, so every number — latent ranges, losses, the plan — is bit-identical to the full-load
-run. `observe_streamed` and `StreamedEvaluator` are the layer-major twins of
-`mlaquant.calib.observers.observe` and `mlaquant.eval.Evaluator`; `mlaquant calibrate --stream` uses
-them.
+run. `StreamedEvaluator` is the layer-major twin of `mlaquant.eval.Evaluator` (and
+`mlaquant.calib.observers.observe_streamed` that of `observe`); `mlaquant calibrate --stream` uses them.
 
 Memory accounting, per pass: the current layer (its parameters in the compute dtype, plus the
 checkpoint bytes of the tensor being converted), two hidden-state sets [N, T, hidden] (a layer's
@@ -24,11 +23,8 @@ from __future__ import annotations
 import copy
 import ctypes
 import ctypes.util
-import dataclasses
 import functools
-import hashlib
 import itertools
-import json
 import shutil
 import tempfile
 import weakref
@@ -40,18 +36,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from mlaquant.calib.observers import LatentObserver, LatentStats
 from mlaquant.codecs import LayerCodec
 from mlaquant.errors import CheckpointError
 from mlaquant.eval import Evaluator, fake_quant_hook
-from mlaquant.loader import (
-    _TensorReader,
-    _weight_files,
-    default_model_path,
-    read_config,
-    read_parameter,
-)
-from mlaquant.model import DecoderLayer, MLAModel, RMSNorm, RotaryEmbedding, with_latent_rotation
+from mlaquant.loader import TensorReader, default_model_path, read_config, read_parameter, weight_files
+from mlaquant.model import DecoderLayer, MLAModel, RMSNorm, RotaryEmbedding, weights_fingerprint, with_latent_rotation
 
 DEFAULT_SPILL_BYTES = 1 << 30
 
@@ -166,7 +155,7 @@ class StreamedModel:
             raise CheckpointError(f"{path}: model directory not found")
         self.path = path
         self.cfg = read_config(path)
-        self._files = _weight_files(path)
+        self._files = weight_files(path)
         self.dtype = dtype
         self.source = str(path)
         self.layers = range(self.cfg.num_hidden_layers)
@@ -206,7 +195,7 @@ class StreamedModel:
 
     # --- tensors -----------------------------------------------------------------------------------
 
-    def _tensor(self, reader: _TensorReader, name: str, shape: tuple) -> torch.Tensor:
+    def _tensor(self, reader: TensorReader, name: str, shape: tuple) -> torch.Tensor:
         """Our parameter `name` from the checkpoint, converted exactly as `load_model` converts it."""
         cfg = self.cfg
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -219,7 +208,7 @@ class StreamedModel:
         params = module.state_dict(keep_vars=True)
         # a reader per tensor: its memory maps close as soon as the tensor is converted, so mapped
         # checkpoint pages never add up to more than one tensor
-        state = {n: self._tensor(_TensorReader(self._files), prefix + n, p.shape) for n, p in params.items()}
+        state = {n: self._tensor(TensorReader(self._files), prefix + n, p.shape) for n, p in params.items()}
         module.load_state_dict(state, strict=False, assign=True)
         left = [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta]
         if left:
@@ -257,15 +246,9 @@ class StreamedModel:
     def fingerprint(self) -> str:
         """`MLAModel.fingerprint()` of the loaded checkpoint, computed one tensor at a time (cached)."""
         if self._fingerprint is None:
-            h = hashlib.sha256(json.dumps(dataclasses.asdict(self.cfg), sort_keys=True, default=str).encode())
-            for name, p in sorted(self._meta.state_dict().items()):
-                t = self._tensor(_TensorReader(self._files), name, p.shape)
-                flat = t.detach().reshape(-1)
-                sample = flat[:: max(1, flat.numel() // 4096)].to(torch.bfloat16).cpu()
-                h.update(name.encode())
-                h.update(str(tuple(t.shape)).encode())
-                h.update(sample.view(torch.int16).numpy().tobytes())
-            self._fingerprint = h.hexdigest()
+            named = sorted(self._meta.state_dict().items())
+            tensors = ((n, self._tensor(TensorReader(self._files), n, p.shape)) for n, p in named)
+            self._fingerprint = weights_fingerprint(self.cfg, tensors)
             _return_freed_memory()
         return self._fingerprint
 
@@ -318,16 +301,6 @@ class StreamedModel:
                 progress.update(1)
         if owned:
             hidden.release()
-
-
-def observe_streamed(
-    model: StreamedModel, samples: torch.Tensor, batch_size: int = 8, max_rows: int = 65536, progress=None
-) -> list[LatentStats]:
-    """`observe` (mlaquant.calib.observers), layer-major: the same [LatentStats] per layer."""
-    every = max(1, samples.numel() // max_rows)
-    observer = LatentObserver(len(model.layers), every)
-    model.run(list(samples.split(batch_size)), observer, progress=progress)
-    return observer.stats
 
 
 class StreamedEvaluator(Evaluator):

@@ -18,10 +18,8 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import platform
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ import numpy as np
 import torch
 
 from mlaquant import corpus as corpus_mod
+from mlaquant.atomic import atomic_directory
 from mlaquant.config import load_config, to_dict
 from mlaquant.errors import MLAQuantError
 
@@ -280,18 +279,11 @@ def plot_loss(history: list[dict], val_history: list[dict], path: Path) -> None:
 
 
 def save_checkpoint(model, tokenizer, out_dir: str | Path, training: dict, history=(), val_history=()) -> Path:
-    """Write the HF checkpoint into a temp dir beside `out_dir`, then swap it in by rename.
-
-    Until the final rename the previous checkpoint stays where it was; between the two renames it
-    sits at `<out_dir>.prev`, which the next save (or `recover_checkpoint`) puts back.
-    """
+    """Write the HF checkpoint into `out_dir` through `atomic_directory`: the previous checkpoint stays
+    in place until the new one is complete (a save killed between the two renames is settled by the
+    next one). Files are 0644 and the directory 0755: it ships as package data."""
     out_dir = Path(out_dir)
-    recover_checkpoint(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    prev = out_dir.parent / f"{out_dir.name}.prev"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
+    with atomic_directory(out_dir, mode=0o755) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
         eos_id = tokenizer.token_to_id(EOS)
@@ -308,25 +300,8 @@ def save_checkpoint(model, tokenizer, out_dir: str | Path, training: dict, histo
         if history:
             plot_loss(list(history), list(val_history), tmp / "loss_curve.png")
         for p in tmp.iterdir():
-            p.chmod(0o644)  # safetensors writes 0600; the directory ships as package data
-        if out_dir.exists():
-            shutil.rmtree(prev, ignore_errors=True)
-            os.replace(out_dir, prev)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        recover_checkpoint(out_dir)
-        raise
-    shutil.rmtree(prev, ignore_errors=True)
+            p.chmod(0o644)  # safetensors writes 0600
     return out_dir
-
-
-def recover_checkpoint(out_dir: str | Path) -> None:
-    """Put `<out_dir>.prev` back if a save was interrupted between its two renames."""
-    out_dir = Path(out_dir)
-    prev = out_dir.parent / f"{out_dir.name}.prev"
-    if prev.is_dir() and not out_dir.exists():
-        os.replace(prev, out_dir)
 
 
 def greedy_completions(checkpoint: str | Path, prompts=COMPLETION_PROMPTS, max_new_tokens: int = 40) -> list[dict]:
@@ -350,31 +325,46 @@ def greedy_completions(checkpoint: str | Path, prompts=COMPLETION_PROMPTS, max_n
     return out
 
 
-def train(
-    cfg: TrainConfig,
-    out_dir: str | Path,
-    corpus_root: str | Path | None = None,
-    splits_dir: str | Path | None = None,
-    final_eval: bool = True,
-    command: str | None = None,
-    log=print,
-    init_from: str | Path | None = None,
-) -> dict:
-    """Train the model described by `cfg` and write it to `out_dir`; returns the training record.
+@dataclasses.dataclass
+class Corpus:
+    """The corpus at `root` split by file (`corpus.split_sources`: 'train', 'validation', 'test', ...)."""
 
-    `corpus_root` (else `cfg.corpus.root`, else the stdlib) is split by file; only the train split is
-    trained on. `splits_dir` receives the held-out JSONL splits and manifest. With `final_eval`, the
-    record gains test-split perplexity / bits per byte and greedy completions from the saved model.
-    `init_from` warm-starts from a checkpoint written by this function (its weights and tokenizer; the
-    optimizer restarts with a fresh warmup) and carries its record forward as `previous_runs`.
+    root: Path
+    splits: dict[str, list[corpus_mod.SourceFile]]
+
+
+@dataclasses.dataclass
+class TrainData:
+    """The tokenizer and what it made of the corpus.
+
+    `rows`: the train split packed, files in a seeded order, [N, seq_len] int64; `val_tokens`: the
+    validation split's token ids (at most 32 sequences' worth); `previous`: the records of the runs a
+    warm start continues (oldest first, empty otherwise).
     """
-    from transformers import DeepseekV3ForCausalLM
 
-    check_mla_shape(cfg.model)
-    loop = cfg.train
-    torch.set_num_threads(loop.threads)
-    torch.manual_seed(cfg.seed)
-    t_start = time.time()
+    tokenizer: object
+    eos_id: int
+    rows: torch.Tensor
+    train_bytes: int
+    val_tokens: list[list[int]]
+    previous: list[dict]
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Where the training loop stands: optimizer steps and tokens trained on since `t_loop` (time.time()),
+    the per-log mean training losses and the validation losses measured at checkpoints."""
+
+    t_loop: float
+    step: int = 0
+    tokens_seen: int = 0
+    history: list[dict] = dataclasses.field(default_factory=list)
+    val_history: list[dict] = dataclasses.field(default_factory=list)
+
+
+def load_corpus(cfg: TrainConfig, corpus_root: str | Path | None, splits_dir: str | Path | None, log) -> Corpus:
+    """Stage data (1/2): collect and split the corpus (`corpus_root`, else `cfg.corpus.root`, else the
+    stdlib); the held-out JSONL splits go to `splits_dir` when given."""
     root = corpus_root if corpus_root is not None else cfg.corpus.root
     root = corpus_mod.stdlib_root() if root is None else Path(root)
     files = corpus_mod.collect_sources(root, cfg.corpus.max_file_bytes)
@@ -387,126 +377,212 @@ def train(
         f"corpus {root}: "
         + ", ".join(f"{k} {len(v)} files / {sum(f.nbytes for f in v) / 1e6:.2f} MB" for k, v in splits.items())
     )
+    return Corpus(root, splits)
 
-    train_texts = [f.text for f in splits["train"]]
-    previous = []
+
+def load_warm_start(init_from: Path) -> tuple[object, list[dict]]:
+    """The tokenizer of a checkpoint written by `train`, and its record with the runs before it."""
+    from tokenizers import Tokenizer
+
+    if not (init_from / "tokenizer.json").is_file() or not (init_from / "model.safetensors").is_file():
+        raise MLAQuantError(f"{init_from}: not a checkpoint written by `mlaquant train`")
+    tokenizer = Tokenizer.from_file(str(init_from / "tokenizer.json"))
+    old_record = json.loads((init_from / "training.json").read_text())
+    return tokenizer, [*old_record.pop("previous_runs", []), old_record]
+
+
+def tokenize(cfg: TrainConfig, corpus: Corpus, init_from: Path | None, log, t_start: float) -> TrainData:
+    """Stage data (2/2): the tokenizer (trained on the train split, or the warm start's), the packed train
+    rows and the validation tokens."""
+    train_texts = [f.text for f in corpus.splits["train"]]
     if init_from is not None:
-        from tokenizers import Tokenizer
-
-        init_from = Path(init_from)
-        if not (init_from / "tokenizer.json").is_file() or not (init_from / "model.safetensors").is_file():
-            raise MLAQuantError(f"{init_from}: not a checkpoint written by `mlaquant train`")
-        tokenizer = Tokenizer.from_file(str(init_from / "tokenizer.json"))
-        old_record = json.loads((init_from / "training.json").read_text())
-        previous = [*old_record.pop("previous_runs", []), old_record]
+        tokenizer, previous = load_warm_start(init_from)
     else:
-        tokenizer = train_tokenizer(train_texts, cfg.tokenizer.vocab_size)
+        tokenizer, previous = train_tokenizer(train_texts, cfg.tokenizer.vocab_size), []
     eos_id = tokenizer.token_to_id(EOS)
-    rng = np.random.default_rng(cfg.seed)
-    order = rng.permutation(len(train_texts))
+    order = np.random.default_rng(cfg.seed).permutation(len(train_texts))
     encoded = tokenizer.encode_batch([train_texts[i] for i in order])
-    data = pack([e.ids for e in encoded], eos_id, loop.seq_len)  # [N, seq_len]
-    train_bytes = sum(f.nbytes for f in splits["train"])
+    rows = pack([e.ids for e in encoded], eos_id, cfg.train.seq_len)  # [N, seq_len]
+    train_bytes = sum(f.nbytes for f in corpus.splits["train"])
     log(
-        f"tokenizer: vocab {tokenizer.get_vocab_size()}, {data.numel()} train tokens in {len(data)} rows "
-        f"({train_bytes / data.numel():.2f} bytes/token), {time.time() - t_start:.0f}s"
+        f"tokenizer: vocab {tokenizer.get_vocab_size()}, {rows.numel()} train tokens in {len(rows)} rows "
+        f"({train_bytes / rows.numel():.2f} bytes/token), {time.time() - t_start:.0f}s"
     )
+    val_tokens = [e.ids for e in tokenizer.encode_batch([f.text for f in corpus.splits["validation"]])]
+    return TrainData(tokenizer, eos_id, rows, train_bytes, _first_tokens(val_tokens, 32 * cfg.train.seq_len), previous)
+
+
+def build_model(cfg: TrainConfig, data: TrainData, init_from: Path | None, log):
+    """Stage model: a fresh fp32 `DeepseekV3ForCausalLM` for `cfg.model` (initialised from the torch RNG),
+    or the warm start's weights."""
+    from transformers import DeepseekV3ForCausalLM
 
     if init_from is not None:
         model = DeepseekV3ForCausalLM.from_pretrained(init_from).float()
     else:
-        model = DeepseekV3ForCausalLM(hf_config(cfg.model, tokenizer.get_vocab_size(), eos_id)).float()
+        model = DeepseekV3ForCausalLM(hf_config(cfg.model, data.tokenizer.get_vocab_size(), data.eos_id)).float()
     n_params = sum(p.numel() for p in model.parameters())
     log(f"model: {n_params} parameters ({n_params * 4 / 2**20:.1f} MiB fp32)")
+    return model
+
+
+def build_optimizer(model, loop: LoopConfig) -> torch.optim.AdamW:
+    """Stage optimizer: AdamW, weight decay on the ≥ 2-D weights except embeddings."""
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": loop.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=loop.lr,
         betas=(0.9, 0.95),
     )
-    val_files = splits["validation"]
-    val_tokens = [e.ids for e in tokenizer.encode_batch([f.text for f in val_files])]
-    val_tokens = _first_tokens(val_tokens, 32 * loop.seq_len)
 
-    record = {
+
+def new_record(
+    cfg: TrainConfig, command: str | None, model, corpus: Corpus, data: TrainData, init_from: Path | None
+) -> dict:
+    """The training record (training.json) as known before the first step."""
+    return {
         "config": to_dict(cfg),
         "command": command,
         "python_version": platform.python_version(),
         "torch_version": torch.__version__,
-        "parameters": n_params,
-        "vocab_size": tokenizer.get_vocab_size(),
-        "train_files": len(splits["train"]),
-        "train_bytes": train_bytes,
-        "train_tokens_available": int(data.numel()),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "vocab_size": data.tokenizer.get_vocab_size(),
+        "train_files": len(corpus.splits["train"]),
+        "train_bytes": data.train_bytes,
+        "train_tokens_available": int(data.rows.numel()),
         "init_from": None if init_from is None else str(init_from),
-        "previous_runs": previous,
+        "previous_runs": data.previous,
     }
-    history: list[dict] = []
-    val_history: list[dict] = []
+
+
+def train_step(model, opt: torch.optim.Optimizer, batch: torch.Tensor, lr: float, grad_clip: float) -> float:
+    """One optimizer step at learning rate `lr` on `batch` [B, seq_len] int64; returns its loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    model.train()
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return loss.item()
+
+
+def train_loop(
+    model, opt: torch.optim.Optimizer, data: TrainData, cfg: TrainConfig, out_dir: str | Path, record: dict, log
+) -> LoopState:
+    """Stage loop: steps over seeded permutations of `data.rows` until `max_steps` or `time_budget_s`,
+    logging every `log_every` steps; every `checkpoint_every_s` the record is updated, validation
+    measured and a checkpoint saved to `out_dir`."""
+    loop = cfg.train
     gen = torch.Generator().manual_seed(cfg.seed)
-    perm, cursor = torch.randperm(len(data), generator=gen), 0
-    t_loop = time.time()
-    last_ckpt = t_loop
-    step, tokens_seen, window_loss, window_n = 0, 0, 0.0, 0
+    perm, cursor = torch.randperm(len(data.rows), generator=gen), 0
+    state = LoopState(t_loop=time.time())
+    last_ckpt = state.t_loop
+    window_loss, window_n = 0.0, 0
     while True:
-        elapsed = time.time() - t_loop
-        progress = max(step / loop.max_steps, elapsed / loop.time_budget_s)
+        progress = max(state.step / loop.max_steps, (time.time() - state.t_loop) / loop.time_budget_s)
         if progress >= 1.0:
             break
         if cursor + loop.batch_size > len(perm):
-            perm, cursor = torch.randperm(len(data), generator=gen), 0
-        batch = data[perm[cursor : cursor + loop.batch_size]]  # [B, seq_len]
+            perm, cursor = torch.randperm(len(data.rows), generator=gen), 0
+        batch = data.rows[perm[cursor : cursor + loop.batch_size]]  # [B, seq_len]
         cursor += loop.batch_size
-        lr = lr_at(loop, step, progress)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        model.train()
-        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), loop.grad_clip)
-        opt.step()
-        step += 1
-        tokens_seen += batch.numel()
-        window_loss += loss.item()
+        lr = lr_at(loop, state.step, progress)
+        window_loss += train_step(model, opt, batch, lr, loop.grad_clip)
         window_n += 1
-        if step % loop.log_every == 0 or step == 1:
-            el = time.time() - t_loop
-            history.append({"step": step, "loss": window_loss / window_n, "lr": lr, "elapsed_s": round(el, 1)})
+        state.step += 1
+        state.tokens_seen += batch.numel()
+        if state.step % loop.log_every == 0 or state.step == 1:
+            el = time.time() - state.t_loop
+            state.history.append(
+                {"step": state.step, "loss": window_loss / window_n, "lr": lr, "elapsed_s": round(el, 1)}
+            )
             log(
-                f"step {step} loss {window_loss / window_n:.4f} lr {lr:.2e} "
-                f"{tokens_seen / el:.0f} tok/s elapsed {el:.0f}s"
+                f"step {state.step} loss {window_loss / window_n:.4f} lr {lr:.2e} "
+                f"{state.tokens_seen / el:.0f} tok/s elapsed {el:.0f}s"
             )
             window_loss, window_n = 0.0, 0
         if time.time() - last_ckpt >= loop.checkpoint_every_s:
-            _record_progress(record, step, tokens_seen, t_loop, history)
-            _validate(model, val_tokens, eos_id, loop.seq_len, step, val_history, log)
-            save_checkpoint(model, tokenizer, out_dir, record, history, val_history)
-            log(f"checkpoint at step {step} -> {out_dir}")
+            _record_progress(record, state)
+            _validate(model, data.val_tokens, data.eos_id, loop.seq_len, state.step, state.val_history, log)
+            save_checkpoint(model, data.tokenizer, out_dir, record, state.history, state.val_history)
+            log(f"checkpoint at step {state.step} -> {out_dir}")
             last_ckpt = time.time()
+    return state
 
-    _record_progress(record, step, tokens_seen, t_loop, history)
-    _validate(model, val_tokens, eos_id, loop.seq_len, step, val_history, log)
-    record["validation_history"] = val_history
-    if final_eval and splits["test"]:
+
+def evaluate_and_save(
+    model,
+    data: TrainData,
+    corpus: Corpus,
+    cfg: TrainConfig,
+    record: dict,
+    state: LoopState,
+    out_dir: str | Path,
+    final_eval: bool,
+    t_start: float,
+    log,
+) -> dict:
+    """Stage eval: final validation, with `final_eval` test-split metrics and greedy completions from the
+    saved checkpoint; the record is completed and saved with the model to `out_dir`, and returned."""
+    seq_len = cfg.train.seq_len
+    _record_progress(record, state)
+    _validate(model, data.val_tokens, data.eos_id, seq_len, state.step, state.val_history, log)
+    record["validation_history"] = state.val_history
+    if final_eval and corpus.splits["test"]:
         t_eval = time.time()
-        record["test"] = evaluate_split(model, tokenizer, splits["test"], loop.seq_len)
+        record["test"] = evaluate_split(model, data.tokenizer, corpus.splits["test"], seq_len)
         record["test"]["eval_s"] = round(time.time() - t_eval, 1)
         log(
             f"test split: {record['test']['files']} files, ppl {record['test']['perplexity']:.3f}, "
             f"{record['test']['bits_per_byte']:.4f} bits/byte"
         )
     record["total_wall_s"] = round(time.time() - t_start, 1)
-    save_checkpoint(model, tokenizer, out_dir, record, history, val_history)
+    save_checkpoint(model, data.tokenizer, out_dir, record, state.history, state.val_history)
     if final_eval:
         record["completions"] = greedy_completions(out_dir)
         for c in record["completions"]:
             log(f"--- {c['prompt']!r} -> {c['completion']!r}")
         record["total_wall_s"] = round(time.time() - t_start, 1)
-        save_checkpoint(model, tokenizer, out_dir, record, history, val_history)
+        save_checkpoint(model, data.tokenizer, out_dir, record, state.history, state.val_history)
     log(f"done in {record['total_wall_s']:.0f}s -> {out_dir}")
     return record
+
+
+def train(
+    cfg: TrainConfig,
+    out_dir: str | Path,
+    corpus_root: str | Path | None = None,
+    splits_dir: str | Path | None = None,
+    final_eval: bool = True,
+    command: str | None = None,
+    log=print,
+    init_from: str | Path | None = None,
+) -> dict:
+    """Train the model described by `cfg` and write it to `out_dir`; returns the training record.
+
+    Stages: data (`load_corpus`, `tokenize`) → model (`build_model`) → optimizer (`build_optimizer`) →
+    loop (`train_loop`) → eval (`evaluate_and_save`).
+    `corpus_root` (else `cfg.corpus.root`, else the stdlib) is split by file; only the train split is
+    trained on. `splits_dir` receives the held-out JSONL splits and manifest. With `final_eval`, the
+    record gains test-split perplexity / bits per byte and greedy completions from the saved model.
+    `init_from` warm-starts from a checkpoint written by this function (its weights and tokenizer; the
+    optimizer restarts with a fresh warmup) and carries its record forward as `previous_runs`.
+    """
+    check_mla_shape(cfg.model)
+    init_from = None if init_from is None else Path(init_from)
+    torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.seed)
+    t_start = time.time()
+    corpus = load_corpus(cfg, corpus_root, splits_dir, log)
+    data = tokenize(cfg, corpus, init_from, log, t_start)
+    model = build_model(cfg, data, init_from, log)
+    opt = build_optimizer(model, cfg.train)
+    record = new_record(cfg, command, model, corpus, data, init_from)
+    state = train_loop(model, opt, data, cfg, out_dir, record, log)
+    return evaluate_and_save(model, data, corpus, cfg, record, state, out_dir, final_eval, t_start, log)
 
 
 def _first_tokens(token_lists: list[list[int]], limit: int) -> list[list[int]]:
@@ -519,15 +595,15 @@ def _first_tokens(token_lists: list[list[int]], limit: int) -> list[list[int]]:
     return out
 
 
-def _record_progress(record: dict, step: int, tokens: int, t_loop: float, history: list[dict]) -> None:
-    el = time.time() - t_loop
+def _record_progress(record: dict, state: LoopState) -> None:
+    el = time.time() - state.t_loop
     record.update(
-        steps=step,
-        tokens_seen=tokens,
+        steps=state.step,
+        tokens_seen=state.tokens_seen,
         train_wall_s=round(el, 1),
-        tokens_per_s=round(tokens / max(el, 1e-9), 1),
-        final_train_loss=history[-1]["loss"] if history else None,
-        history=history,
+        tokens_per_s=round(state.tokens_seen / max(el, 1e-9), 1),
+        final_train_loss=state.history[-1]["loss"] if state.history else None,
+        history=state.history,
     )
 
 

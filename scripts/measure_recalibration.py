@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mlaquant import DecodeSession, load_model
-from mlaquant.calib.data import split_path, token_samples
+from mlaquant.calib.data import split_path
 from mlaquant.guard import Guard
 from mlaquant.plan import Plan
+from mlaquant.samples import token_samples
 
 
 def decode_nll(model, plan, ids: torch.Tensor, prefill: int, guard: Guard | None) -> tuple[float, int]:
@@ -55,7 +56,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     model = load_model(args.model)
-    eos = model.cfg.eos_token_id
+    eos = model.cfg.eos_id
     ids = token_samples(model.tokenizer, split_path("test"), args.samples, args.seq_len, 2, eos)
     plan = Plan.load(args.plan)
     if args.clip_all:

@@ -17,11 +17,12 @@ import json
 from tqdm import tqdm
 
 from mlaquant import load_model
-from mlaquant.calib.data import split_path, token_samples
+from mlaquant.calib.data import split_path
 from mlaquant.calib.observers import observe
 from mlaquant.codecs import LayerCodec
 from mlaquant.eval import Evaluator
 from mlaquant.model import hadamard_signs, latent_rotation, with_latent_rotation
+from mlaquant.samples import token_samples
 
 
 def main() -> None:
@@ -37,8 +38,7 @@ def main() -> None:
 
     model = load_model(args.model)
     d_c, d_r, n = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim, len(model.layers)
-    eos = model.cfg.eos_token_id
-    eos = eos[0] if isinstance(eos, list) else eos
+    eos = model.cfg.eos_id
     cal = token_samples(model.tokenizer, split_path("calibration"), args.samples, args.seq_len, args.seed, eos)
     val = token_samples(model.tokenizer, split_path("validation"), args.val_samples, args.seq_len, args.seed + 1, eos)
     stats = observe(model, cal)

@@ -10,10 +10,11 @@ import torch
 
 from mlaquant import DecodeSession, load_model
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
-from mlaquant.calib.data import split_path, token_samples
+from mlaquant.calib.data import split_path
 from mlaquant.config import ConfigError
 from mlaquant.errors import MLAQuantError
 from mlaquant.plan import Plan
+from mlaquant.samples import token_samples
 
 SMALL = dict(samples=16, seq_len=128, val_samples=8, test_samples=4, batch_size=8)
 

@@ -10,7 +10,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaquant.codecs import CodecError, CodecSpec, LayerCodec, RowCodec, bits_per_value
+from mlaquant.codecs import (
+    CodecError,
+    CodecSpec,
+    FloatCodec,
+    Fp8Codec,
+    IntCodec,
+    LayerCodec,
+    PartLayout,
+    RowCodec,
+    RowLayout,
+    bits_per_value,
+)
 
 QUANT_NAMES = [
     "int8-row", "int8-g16", "int8-g32", "int8-g64", "int8-row-asym", "int8-g32-asym",
@@ -19,7 +30,7 @@ QUANT_NAMES = [
 
 
 def _codec(name: str, width: int, **kw) -> RowCodec:
-    return RowCodec(CodecSpec.parse(name), width, **kw)
+    return RowCodec.build(CodecSpec.parse(name), width, **kw)
 
 
 def _rows(n: int = 64, width: int = 128, seed: int = 0) -> torch.Tensor:
@@ -232,6 +243,37 @@ def test_row_bytes_for_deepseek_shapes(ckv, kpe, row_bytes):
 def test_int4_g32_ckv_part_is_288_bytes():
     assert _codec("int4", 512).row_bytes == 288
     assert _codec("int8", 512).row_bytes == 528
+
+
+@pytest.mark.parametrize(
+    ("name", "fields"),  # (group_size, n_groups, code_bytes, scale_offset, zero_offset, row_bytes), width 64
+    [
+        ("fp16", (64, 0, 128, None, None, 128)),
+        ("int8-g32-asym", (32, 2, 64, 64, 68, 72)),
+        ("int4-g32", (32, 2, 32, 32, None, 36)),
+        ("int4-row-asym", (64, 1, 32, 32, 34, 36)),
+        ("fp8", (64, 0, 64, None, None, 64)),
+        ("fp8-g16", (16, 4, 64, 64, None, 72)),
+    ],
+)
+def test_part_layout_follows_the_documented_table(name, fields):
+    layout = PartLayout.of(CodecSpec.parse(name), 64)
+    got = (layout.group_size, layout.n_groups, layout.code_bytes, layout.scale_offset, layout.zero_offset)
+    assert (*got, layout.row_bytes) == fields
+    codec = _codec(name, 64)
+    assert codec.layout == layout and codec.row_bytes == layout.row_bytes
+    assert codec.encode(torch.randn(2, 64)).shape == (2, layout.row_bytes)
+
+
+def test_one_codec_class_per_kind_and_the_row_layout_places_the_parts():
+    kinds = {"bf16": FloatCodec, "int8-g32": IntCodec, "int4-row-asym": IntCodec, "fp8": Fp8Codec, "fp8-g32": Fp8Codec}
+    for name, cls in kinds.items():
+        assert type(_codec(name, 64)) is cls
+    with pytest.raises(TypeError):
+        RowCodec(PartLayout.of(CodecSpec.parse("fp16"), 8), None, None)  # abstract: build() picks the class
+    codec = LayerCodec.from_names("int4-g32", "int8-g32", 512, 64)
+    assert codec.layout == RowLayout(codec.ckv.layout, codec.kpe.layout)
+    assert (codec.layout.kpe_offset, codec.layout.row_bytes, codec.layout.width) == (288, 356, 576)
 
 
 # --- clipping -------------------------------------------------------------------------------------

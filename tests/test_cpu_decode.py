@@ -10,11 +10,12 @@ import torch
 
 from mlaquant import DecodeSession
 from mlaquant.codecs import LayerCodec
-from mlaquant.cpu_decode import error_bound, mla_decode_cpu, quantize_query
+from mlaquant.cpu_decode import error_bound, mla_decode_cpu
 from mlaquant.errors import BackendError
 from mlaquant.int8_proj import grouped_int8_matmul, quantize_grouped
 from mlaquant.ops import mla_decode, mla_decode_reference, resolve_backend
 from mlaquant.session import generate
+from tests.reference import effective_query
 
 D_C, D_R, H, PAGE = 64, 16, 4, 16
 SCALE = 0.17
@@ -55,17 +56,6 @@ def _cache(codec: LayerCodec, lens: list[int], seed: int = 0):
     return q, pool, table, torch.tensor(lens, dtype=torch.int32), decoded
 
 
-def _effective_query(q: torch.Tensor, codec: LayerCodec) -> torch.Tensor:
-    """q with every integer part replaced by its quantized value q8 · qs (what the fast path's scores use)."""
-    parts = []
-    for rc, x in zip((codec.ckv, codec.kpe), q.split([D_C, D_R], dim=-1)):
-        if rc.spec.kind in ("int8", "int4"):
-            q8, qs = quantize_query(x, rc.group_size)
-            x = (q8.float().unflatten(-1, (-1, rc.group_size)) * qs.unsqueeze(-1)).flatten(-2)
-        parts.append(x)
-    return torch.cat(parts, dim=-1)
-
-
 @pytest.mark.parametrize("names", CODECS, ids=lambda n: "/".join(n))
 @pytest.mark.parametrize("block_tokens", [16, 1024])
 def test_fast_path_within_stated_bound_of_reference(names, block_tokens):
@@ -83,18 +73,10 @@ def test_fast_path_within_stated_bound_of_reference(names, block_tokens):
     if integer:  # the bound is not vacuous: the query quantization is its main term
         assert (out - ref_out).abs().max() > 1e-6
     # without the query quantization, the rest is FP32 rounding: the INT32 dots are exact
-    ref_out, ref_lse = mla_decode_reference(_effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    q_eff = effective_query(q, codec, fp16_query=False)
+    ref_out, ref_lse = mla_decode_reference(q_eff, pool, table, lens, codec, D_C, SCALE)
     torch.testing.assert_close(out, ref_out, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
-
-
-def test_query_quantization_is_the_kernels():
-    kernel = pytest.importorskip("mlaquant.kernels.mla_decode")
-    q = torch.randn(3, H, D_C) * torch.logspace(-3, 2, D_C)
-    q[0, 0, :32] = 0.0
-    for group in (16, 32, D_C):
-        for a, b in zip(quantize_query(q, group), kernel.quantize_query(q, group)):
-            assert torch.equal(a, b)
 
 
 def test_dispatch_auto_takes_cpu_path_and_torch_stays_reference():

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from mlaquant import export as export_module
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
-from mlaquant.calib.data import split_path, token_samples
+from mlaquant.calib.data import split_path
 from mlaquant.cli import main
 from mlaquant.codecs import FP8_MAX, fp8_static_scale
 from mlaquant.errors import CheckpointError, MLAQuantError, PlanError
@@ -28,6 +28,7 @@ from mlaquant.eval import Evaluator
 from mlaquant.export import KV_CACHE_SCHEME, engine_codecs, quantization_config
 from mlaquant.loader import load_model
 from mlaquant.plan import LayerPlan, Plan
+from mlaquant.samples import token_samples
 from mlaquant.stream import StreamedEvaluator, StreamedModel
 
 D_C, D_R = 32, 8  # kv_lora_rank, rope_dim of conftest.SYNTH_DIMS
@@ -232,3 +233,17 @@ def test_plan_model_mismatch_and_bad_outputs(ckpt, fp8_plan, tmp_path, synthetic
     (broken / "model-00001-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="is missing"):
         _run_export(fp8_plan, broken, tmp_path / "o3")
+
+
+def test_measures_on_the_recorded_test_data_or_asks_for_test_data(ckpt, fp8_plan, tmp_path, capsys):
+    plan = Plan.load(fp8_plan)
+    assert plan.settings["test_data"] == str(split_path("test"))  # what export measures on by default
+    bare = _variant(fp8_plan, tmp_path, "bare", settings={k: v for k, v in plan.settings.items() if k != "test_data"})
+    assert _export(bare, ckpt, tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "records no test data; pass --test-data PATH" in err
+    assert not (tmp_path / "out").exists()
+
+    assert _export(bare, ckpt, tmp_path / "out", "--test-data", str(split_path("test"))) == 0
+    report = json.loads((tmp_path / "out/mlaquant_export.json").read_text())
+    assert report["measured"]["data"] == str(split_path("test"))

@@ -76,8 +76,8 @@ def test_fp8_asymmetric_spec_rejected():
 @pytest.mark.parametrize("scale", [1.0, 0.0123, 3.5])
 def test_static_fp8_matches_brute_force_rounding(scale):
     x = _rows(64, 40, scale=scale * 50)
-    codec = RowCodec(CodecSpec.parse("fp8"), 40, fp8_scale=scale)
-    assert codec.row_bytes == 40 and codec.scale_offset is None and codec.n_groups == 0
+    codec = RowCodec.build(CodecSpec.parse("fp8"), 40, fp8_scale=scale)
+    assert codec.row_bytes == 40 and codec.layout.scale_offset is None and codec.layout.n_groups == 0
     codes = codec.encode(x)
     assert codes.dtype == torch.uint8 and codes.shape == (64, 40)
     s = torch.tensor(scale, dtype=torch.float32).double()
@@ -88,7 +88,7 @@ def test_static_fp8_matches_brute_force_rounding(scale):
 
 
 def test_static_fp8_saturates_and_reports_the_saturation_rate():
-    codec = RowCodec(CodecSpec.parse("fp8"), 8, fp8_scale=0.5)
+    codec = RowCodec.build(CodecSpec.parse("fp8"), 8, fp8_scale=0.5)
     x = torch.tensor([[300.0, -300.0, 223.0, 1.0, 0.0, -224.0, 225.0, 5.0]])
     out = codec.fake_quant(x)
     assert out[0, 0] == 224.0 and out[0, 1] == -224.0  # ±448·s
@@ -123,8 +123,8 @@ def test_layer_codec_shares_one_scale_over_ckv_and_kpe():
 
 def test_static_fp8_rejects_bad_scale_and_nan_input():
     with pytest.raises(CodecError, match="scale"):
-        RowCodec(CodecSpec.parse("fp8"), 8, fp8_scale=0.0)
-    codec = RowCodec(CodecSpec.parse("fp8"), 4)
+        RowCodec.build(CodecSpec.parse("fp8"), 8, fp8_scale=0.0)
+    codec = RowCodec.build(CodecSpec.parse("fp8"), 4)
     with pytest.raises(ValueError, match="NaN"):
         codec.encode(torch.tensor([[1.0, float("nan"), 0.0, 0.0]]))
 
@@ -140,8 +140,8 @@ def test_deepseek_row_sizes():
 def test_dynamic_fp8_layout_and_rounding():
     w, g = 64, 16
     x = _rows(32, w, seed=3, scale=4.0)
-    codec = RowCodec(CodecSpec.parse(f"fp8-g{g}"), w)
-    assert codec.row_bytes == w + 2 * (w // g) and codec.scale_offset == w
+    codec = RowCodec.build(CodecSpec.parse(f"fp8-g{g}"), w)
+    assert codec.row_bytes == w + 2 * (w // g) and codec.layout.scale_offset == w
     codes = codec.encode(x)
     scales = codes[:, w:].contiguous().view(torch.float16).float()  # [N, G]
     absmax = x.view(32, w // g, g).abs().amax(-1)
@@ -157,7 +157,7 @@ def test_dynamic_fp8_layout_and_rounding():
 def test_dynamic_fp8_error_bound_and_zero_group():
     x = _rows(200, 64, seed=5, scale=2.0)
     x[1, :16] = 0.0
-    codec = RowCodec(CodecSpec.parse("fp8-g16"), 64)
+    codec = RowCodec.build(CodecSpec.parse("fp8-g16"), 64)
     out = codec.fake_quant(x)
     assert torch.equal(out[1, :16], torch.zeros(16))
     s = codec.encode(x)[:, 64:].contiguous().view(torch.float16).float().repeat_interleave(16, dim=1)
@@ -174,7 +174,7 @@ def test_fp8_group_as_wide_as_the_part_stays_dynamic():
 def test_fake_quant_keeps_dtype_and_equals_decode_encode():
     x = _rows(8, 32, seed=9).to(torch.bfloat16)
     for name in ("fp8", "fp8-g16"):
-        codec = RowCodec(CodecSpec.parse(name), 32, fp8_scale=0.01 if name == "fp8" else None)
+        codec = RowCodec.build(CodecSpec.parse(name), 32, fp8_scale=0.01 if name == "fp8" else None)
         out = codec.fake_quant(x)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out, codec.decode(codec.encode(x), dtype=torch.bfloat16))

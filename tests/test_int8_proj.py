@@ -8,8 +8,8 @@ import torch
 from mlaquant import DecodeSession
 from mlaquant.eval import Evaluator, fake_quant_hook
 from mlaquant.int8_proj import Int8Projections, grouped_int8_matmul, quantize_grouped, with_int8_projections
-from mlaquant.kernels.int8_gemm import int8_gemm_error_bound, int8_gemm_reference
 from mlaquant.plan import Plan
+from tests.reference import int8_gemm_error_bound, int8_gemm_reference
 
 
 def _weights(g: int, n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -9,11 +9,14 @@ import os
 import pytest
 import torch
 
+from tests.closeness import closeness
+from tests.reference import int8_gemm_error_bound, int8_gemm_reference
+
 # triton.jit picks the CPU interpreter at decoration time, also for triton's own library functions, so the
 # variable must be set before triton is first imported; it stays set (tests that need it unset monkeypatch).
 os.environ["TRITON_INTERPRET"] = "1"
 G = pytest.importorskip("mlaquant.kernels.int8_gemm")
-if not G._interpreted():
+if not G.interpreter_active():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 
 SHAPES = [(1, 96, 64), (5, 200, 80), (33, 64, 130)]  # (M, K, N): K and N off the tile grid
@@ -36,7 +39,7 @@ def test_triton_matches_torch_reference(shape, out_dtype):
     w8, ws = G.quantize_weight_per_channel(w)
     for xin in (x, x.float(), x.bfloat16()):
         y = G.int8_gemm(xin, w8, ws, out_dtype=out_dtype)
-        ref = G.int8_gemm_reference(xin, w8, ws, out_dtype=out_dtype)
+        ref = int8_gemm_reference(xin, w8, ws, out_dtype=out_dtype)
         assert y.dtype == out_dtype and y.shape == (shape[0], shape[2])
         # Same INT32 sums, same FP32 epilogue: equal up to FP32 rounding before the final cast.
         tol = (
@@ -56,7 +59,7 @@ def test_leading_dims_and_zero_row():
     y = G.int8_gemm(x.view(2, 3, 64), w8, ws, out_dtype=torch.float32)
     assert y.shape == (2, 3, 48)
     assert (y.view(6, 48)[2] == 0).all()
-    assert torch.equal(y.view(6, 48), G.int8_gemm_reference(x, w8, ws, out_dtype=torch.float32))
+    assert torch.equal(y.view(6, 48), int8_gemm_reference(x, w8, ws, out_dtype=torch.float32))
 
 
 def _bnb():
@@ -107,7 +110,7 @@ def test_outlier_columns_match_bitsandbytes():
     ]
     assert errors[1] < 0.75 * errors[0] and errors[2] < 0.9 * errors[1], errors
     y_fp = G.int8_gemm(x, w8, ws, out_dtype=torch.float32, outlier_threshold=6.0, w_fp=w)
-    assert torch.allclose(y_fp, G.int8_gemm_reference(x, w8, ws, torch.float32, 6.0, w), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(y_fp, int8_gemm_reference(x, w8, ws, torch.float32, 6.0, w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -118,10 +121,10 @@ def test_against_fp32_matmul_within_stated_bound(out_dtype):
     y = G.int8_gemm(x, w8, ws, out_dtype=out_dtype)
     exact = x.double() @ w.double().T
     err = (y.double() - exact).abs()
-    bound = G.int8_gemm_error_bound(x, w, w8, ws, y).double()
+    bound = int8_gemm_error_bound(x, w, w8, ws, y).double()
     assert (err <= bound).all(), (err / bound).max().item()
     # The worst case is loose (measured max error ≈ 0.12 of it); typical quality as SQNR.
-    sqnr = 10 * torch.log10(exact.pow(2).sum() / (y.double() - exact).pow(2).sum()).item()
+    sqnr = closeness(y, exact).sqnr_db
     assert sqnr > 36.0, sqnr  # measured 39.2 dB for all three output types
 
 

@@ -13,9 +13,12 @@ import torch
 
 from mlaquant.codecs import LayerCodec
 from mlaquant.config import ConfigError
+from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
 from mlaquant.ops import mla_decode as ops_mla_decode
 from mlaquant.ops import mla_decode_reference
+from tests.closeness import assert_close
+from tests.reference import effective_query, merge_error_bound, merge_gated_fp16_reference, quantize_query
 
 # triton.jit picks the CPU interpreter at decoration time, also for triton's own library functions, so the
 # variable must be set before triton is first imported; it stays set (tests that need it unset monkeypatch).
@@ -23,6 +26,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 K = pytest.importorskip("mlaquant.kernels.mla_decode")
 if not K.interpreter_active():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 D_C, D_R, PAGE = 64, 16, 64
 SCALE = 0.15
@@ -97,12 +102,12 @@ def _query(batch: int, heads: int, seed: int) -> torch.Tensor:
     return torch.randn(batch, heads, D_C + D_R, generator=gen) * 1.5
 
 
-def _compare(out, lse, ref_out, ref_lse):
-    """(max abs error / output scale, cosine, max LSE error)."""
+def _compare(out, lse, ref_out, ref_lse, max_rel: float, min_cosine: float, lse_atol: float):
+    """Finite outputs; out within `max_rel` (max abs error / output scale) and `min_cosine` of ref_out; lse
+    within `lse_atol` of ref_lse."""
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    rel = ((out - ref_out).abs().max() / ref_out.abs().max()).item()
-    cos = torch.nn.functional.cosine_similarity(out.flatten().double(), ref_out.flatten().double(), 0).item()
-    return rel, cos, (lse - ref_lse).abs().max().item()
+    assert_close(out, ref_out, max_rel=max_rel, min_cosine=min_cosine, what="out")
+    assert_close(lse, ref_lse, max_abs=lse_atol, what="lse")
 
 
 @pytest.mark.parametrize("heads", HEADS)
@@ -119,13 +124,11 @@ def test_kernel_matches_reference(codec_name, case, heads):
     assert out.shape == (len(case.seq_lens), heads, D_C) and out.dtype == torch.float32
     assert lse.shape == (len(case.seq_lens), heads) and lse.dtype == torch.float32
     # Same quantized cache, same (kernel-quantized) query: only the kernel's own arithmetic differs.
-    ref_out, ref_lse = mla_decode_reference(K.effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
-    rel, cos, lse_err = _compare(out, lse, ref_out, ref_lse)
-    assert rel <= 2e-3 and cos >= 0.9999 and lse_err <= 2e-5, (rel, cos, lse_err)
+    ref_out, ref_lse = mla_decode_reference(effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
     # Against the unquantized FP32 query: the INT8 query quantization is the only addition.
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
-    rel, cos, lse_err = _compare(out, lse, ref_out, ref_lse)
-    assert rel <= 3e-2 and cos >= 0.9995 and lse_err <= 0.1, (rel, cos, lse_err)
+    _compare(out, lse, ref_out, ref_lse, max_rel=3e-2, min_cosine=0.9995, lse_atol=0.1)
 
 
 @pytest.mark.parametrize(
@@ -140,23 +143,76 @@ def test_int32_score_path_is_exact(codec_name):
     q[0, 0, :16] = torch.tensor([127, 2.5, -3.5, 0.5, -0.5, 1.5, 3.5, -2.5] * 2)
     q[0, 1, :16] = 0.0  # an all-zero group
     for part, rc, sl in (("c_kv", codec.ckv, slice(0, D_C)), ("k_pe", codec.kpe, slice(D_C, D_C + D_R))):
-        dots, qs = K.score_group_dots(q, pool, table, lens, codec, D_C, part=part)
-        q8, qs_ref = K.quantize_query(q[..., sl], rc.group_size)
+        dots, qs = score_group_dots(q, pool, table, lens, codec, D_C, part=part)
+        q8, qs_ref = quantize_query(q[..., sl], rc.layout.group_size)
         if part == "c_kv":
             assert q8[0, 0, 1:8].tolist() == [2, -4, 0, 0, 2, 4, -2]
         assert torch.equal(qs, qs_ref)
         for b, n in enumerate(lens.tolist()):
             t = torch.arange(n)
             raw = pool[table[b, t // PAGE].long(), t % PAGE]
-            raw = raw[:, 0 : rc.row_bytes] if part == "c_kv" else raw[:, codec.ckv.row_bytes :]
-            codes = _dot_codes(raw[:, : rc.code_bytes], rc)  # [n, W], decoded here from the documented layout
+            raw = raw[:, 0 : rc.row_bytes] if part == "c_kv" else raw[:, codec.layout.kpe_offset :]
+            codes = _dot_codes(raw[:, : rc.layout.code_bytes], rc)  # [n, W], decoded here from the documented layout
             ref = torch.einsum(
                 "hgc,tgc->htg",
-                q8[b].long().unflatten(-1, (-1, rc.group_size)),
-                codes.unflatten(-1, (-1, rc.group_size)),
+                q8[b].long().unflatten(-1, (-1, rc.layout.group_size)),
+                codes.unflatten(-1, (-1, rc.layout.group_size)),
             )
             assert torch.equal(dots[b, :, :n].long(), ref), part
             assert not dots[b, :, n:].any()
+
+
+@triton.jit
+def _scores_kernel(
+    q_ptr, pool_ptr, bt_ptr, lens_ptr, dot_ptr, qs_ptr,
+    stride_qb, stride_qh, stride_pool, stride_bt, stride_db, stride_dh, stride_dt, stride_sb, stride_sh,
+    H,
+    PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, PART_OFF: tl.constexpr, Q_OFF: tl.constexpr,
+    KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The kernel's INT32 score path of one integer part on its own: dots [B, H, T, n_g] and query scales."""
+    b = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    offs_t = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_mask = offs_t < tl.load(lens_ptr + b)
+    row = K.tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES) + PART_OFF
+    q_row = q_ptr + b * stride_qb + offs_h * stride_qh + Q_OFF
+    for g in tl.static_range(W // G):
+        dot, qs, qsum = K.group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
+        dst = dot_ptr + b * stride_db + offs_h[:, None] * stride_dh + offs_t[None, :] * stride_dt + g
+        tl.store(dst, dot, mask=h_mask[:, None] & t_mask[None, :])
+        tl.store(qs_ptr + b * stride_sb + offs_h * stride_sh + g, qs, mask=h_mask)
+
+
+def score_group_dots(
+    q: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, codec, d_c: int,
+    part: str = "c_kv", block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's INT32 score path for one integer part ('c_kv' or 'k_pe') under the interpreter:
+    (dots int32 [B, H, T, n_g] with T = max(seq_lens), zero past each sequence's end; q scales fp32
+    [B, H, n_g]). dots[b, h, t, g] = Σ_{c in group g} q8[b, h, c] · code[t, c] with the dot-form codes of
+    the kernel docstring (asymmetric INT8 codes shifted by −128). int32 index tensors, fp32 q."""
+    longest = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c).longest()
+    c_part, r_part = K.codec_parts(codec, on_gpu=False)
+    p, rc, q_off = (c_part, codec.ckv, 0) if part == "c_kv" else (r_part, codec.kpe, d_c)
+    assert rc.spec.kind in ("int8", "int4"), f"the {part} part ({rc.spec.name}) has no integer score path"
+    q = q.contiguous()
+    bsz, heads = q.shape[:2]
+    n_g = p.width // p.group
+    dots = torch.zeros(bsz, heads, longest, n_g, dtype=torch.int32)
+    qs = torch.zeros(bsz, heads, n_g, dtype=torch.float32)
+    block_h = max(1, triton.next_power_of_2(min(heads, 16)))
+    _scores_kernel[(bsz, triton.cdiv(heads, block_h), triton.cdiv(longest, block_n))](
+        q, pool, block_table, seq_lens, dots, qs,
+        q.stride(0), q.stride(1), pool.stride(0), block_table.stride(0),
+        dots.stride(0), dots.stride(1), dots.stride(2), qs.stride(0), qs.stride(1),
+        heads,
+        PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, PART_OFF=p.offset, Q_OFF=q_off,
+        KIND=p.kind, ASYM=p.asym, W=p.width, G=p.group, BLOCK_H=block_h, BLOCK_N=block_n,
+    )
+    return dots, qs
 
 
 def _dot_codes(code_bytes: torch.Tensor, rc) -> torch.Tensor:
@@ -175,9 +231,8 @@ def test_shipped_chunk_boundary_end_to_end():
     parts, _, chunk = K.mla_decode_partials(q, pool, table, lens, codec, D_C, SCALE)
     assert chunk == 768 and parts.shape[2] == 3  # 2100 tokens cross the shipped 2048-token boundary
     out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE)
-    ref_out, ref_lse = mla_decode_reference(K.effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
-    rel, cos, lse_err = _compare(out, lse, ref_out, ref_lse)
-    assert rel <= 2e-3 and cos >= 0.9999 and lse_err <= 2e-5, (rel, cos, lse_err)
+    ref_out, ref_lse = mla_decode_reference(effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
 
 
 def test_nan_slots_and_permuted_blocks_change_nothing():
@@ -203,10 +258,9 @@ def test_empty_sequence_bf16_query_int64_indices():
     out, lse = K.mla_decode(q, pool, table.long(), lens.long(), codec, D_C, SCALE, chunk_tokens=64)
     assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
     ref_out, ref_lse = mla_decode_reference(
-        K.effective_query(q[1:], codec), pool, table[1:], lens[1:], codec, D_C, SCALE
+        effective_query(q[1:], codec), pool, table[1:], lens[1:], codec, D_C, SCALE
     )
-    rel, cos, lse_err = _compare(out[1:], lse[1:], ref_out, ref_lse)
-    assert rel <= 2e-3 and cos >= 0.9999 and lse_err <= 1e-4
+    _compare(out[1:], lse[1:], ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=1e-4)
 
 
 def _exact_partials(scores: torch.Tensor, values: torch.Tensor, chunk: int):
@@ -229,11 +283,11 @@ def test_gated_merge_within_stated_bound():
     parts, lses = _exact_partials(scores, values, chunk)
     exact = torch.softmax(scores.double(), -1) @ values.double()
     exact_lse = torch.logsumexp(scores.double(), -1)
-    bound = K.merge_error_bound(t // chunk, values).double()
+    bound = merge_error_bound(t // chunk, values).double()
 
-    h_torch, lse_torch = K.merge_partials(parts.float(), lses.float())
+    h_torch, lse_torch = merge_gated_fp16_reference(parts.float(), lses.float())
     lens = torch.full((heads,), t, dtype=torch.int32)  # one "sequence" per head: [B=heads, H=1, S, D]
-    h_tri, lse_tri = K.merge_partials_triton(
+    h_tri, lse_tri = K.merge_gated_fp16(
         parts.float().unsqueeze(1), lses.float().unsqueeze(1), lens, chunk
     )
     for h, lse in ((h_torch, lse_torch), (h_tri[:, 0], lse_tri[:, 0])):

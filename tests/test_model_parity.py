@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mlaquant import DecodeSession, load_model
-from mlaquant.session import latent_attention
+from mlaquant.model import causal_attention
 
 TOL = 1e-4
 
@@ -67,7 +67,7 @@ def test_absorbed_attention_equals_expanded(make_checkpoint):
     expanded = attn.forward_sequence(x, cos, sin)
     q = attn.absorbed_query(x, cos, sin)
     rows = attn.latent(x, cos, sin)
-    absorbed = attn.output_from_latent(latent_attention(q[0], rows[0], model.cfg.kv_lora_rank, attn.scale)[None])
+    absorbed = attn.output_from_latent(causal_attention(q, rows, rows[..., : model.cfg.kv_lora_rank], attn.scale))
     assert (absorbed - expanded).abs().max() < 1e-5 * expanded.abs().max()
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
-from mlaquant.calib.observers import observe
+from mlaquant.calib.observers import observe, observe_streamed
 from mlaquant.cli import main
 from mlaquant.config import load_config
 from mlaquant.errors import CheckpointError
@@ -24,7 +24,7 @@ from mlaquant.eval import Evaluator
 from mlaquant.loader import load_model
 from mlaquant.model import hadamard_signs, latent_rotation, with_latent_rotation
 from mlaquant.plan import Plan
-from mlaquant.stream import StreamedEvaluator, StreamedModel, observe_streamed
+from mlaquant.stream import StreamedEvaluator, StreamedModel
 
 LAYERS = 4
 CALIBRATE_YAML = "samples: 8\nseq_len: 32\nval_samples: 4\ntest_samples: 4\nbatch_size: 3\n"

@@ -15,12 +15,12 @@ import torch.nn.functional as F
 
 from mlaquant import cli
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
-from mlaquant.calib.data import token_samples
+from mlaquant.calib.sweep import SweepRun, load_sweep_config, sweep
 from mlaquant.eval import Evaluator
 from mlaquant.loader import load_model
 from mlaquant.plan import Plan
 from mlaquant.report import dominates, pareto_front, target_verdict
-from mlaquant.sweep import SweepRun, load_sweep_config, sweep
+from mlaquant.samples import token_samples
 
 WORDS = [
     "def",
@@ -285,8 +285,8 @@ def test_pareto_front_and_target_verdict():
 
 
 def test_packaged_config_is_the_dataclass_default():
+    from mlaquant.calib.sweep import SweepConfig
     from mlaquant.config import ConfigError, to_dict
-    from mlaquant.sweep import SweepConfig
 
     assert to_dict(load_sweep_config()) == to_dict(SweepConfig())
     with pytest.raises(ConfigError, match="unknown key 'samplez'"):
@@ -355,6 +355,6 @@ def test_sweep_calibrates_its_plans_once(setup, tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("calibrated again although the plan on disk has the same settings")
 
-    monkeypatch.setattr("mlaquant.sweep.calibrate", refuse)
+    monkeypatch.setattr("mlaquant.calib.sweep.calibrate", refuse)
     again = sweep(setup["model"], cfg, tmp_path / "out", root / "test.txt", quiet=True)
     assert again["resumed_rows"] == len(again["rows"]) == 3

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mlaquant import train as train_mod
+from mlaquant.atomic import recover_directory
 from mlaquant.cli import main as cli_main
 from mlaquant.errors import MLAQuantError
 
@@ -179,9 +180,9 @@ def test_interrupted_save_keeps_previous_checkpoint(trained, tmp_path, monkeypat
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
-    # Killed between the two renames: the previous checkpoint waits at model.prev and is put back.
-    out.rename(tmp_path / "model.prev")
-    train_mod.recover_checkpoint(out)
+    # Killed between the two renames: the previous checkpoint waits at .model.old and is put back.
+    out.rename(tmp_path / ".model.old")
+    recover_directory(out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 

@@ -39,8 +39,9 @@ from tqdm import tqdm
 
 import mlaquant
 from mlaquant import report as report_mod
+from mlaquant.atomic import atomic_write
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
-from mlaquant.calib.data import split_path, token_samples
+from mlaquant.calib.data import split_path
 from mlaquant.codecs import CodecError
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.errors import MLAQuantError, PlanError
@@ -48,6 +49,7 @@ from mlaquant.eval import Evaluator
 from mlaquant.model import MLAModel
 from mlaquant.peers import PeerSpec, PeerUnavailable, torch_threads
 from mlaquant.plan import Plan
+from mlaquant.samples import token_samples
 
 STATE_FILE = ".sweep-state.json"
 # what a peer library may raise on shapes or settings it does not support: the row says so and the
@@ -363,7 +365,7 @@ def load_state(out: Path, key: str) -> dict:
 
 
 def save_state(out: Path, state: dict) -> None:
-    report_mod.write_atomic(out / STATE_FILE, json.dumps(state, indent=1))
+    atomic_write(out / STATE_FILE, json.dumps(state, indent=1))
 
 
 def resolve_plans(
@@ -432,10 +434,7 @@ def sweep(
     for name in (*cfg.codecs, *cfg.window_codecs):
         Plan.uniform(name, len(model.layers)).layer_codecs(d_c, d_r)  # a codec that does not fit the widths
     plans, digests, plan_source = resolve_plans(model, cfg, out, data, plan_dirs, quiet)
-    eos = model.cfg.eos_token_id
-    samples = token_samples(
-        model.tokenizer, data, cfg.samples, cfg.seq_len, cfg.seed, eos[0] if isinstance(eos, list) else eos
-    )
+    samples = token_samples(model.tokenizer, data, cfg.samples, cfg.seq_len, cfg.seed, model.cfg.eos_id)
     specs = row_specs(cfg, plans, digests)
     fingerprint = model.fingerprint()
     key_src = {

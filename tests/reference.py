@@ -1,0 +1,85 @@
+"""Pure-torch FP32 references the kernel tests compare against: what the Triton decode kernel
+(`mlaquant.kernels.mla_decode`) computes, written plainly, and the error bound its docstring states.
+
+Tests import them as `from tests.reference import ...`: pytest's importlib mode (pyproject) names each test
+module after its path from the rootdir and makes `tests` a namespace package, so this works from a clean
+clone with plain `pytest` and no sys.path edit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mlaquant.cpu_decode import quantize_query
+from mlaquant.int8_quant import quantize_activation
+
+UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
+
+def effective_query(q: Tensor, codec, fp16_query: bool = True) -> Tensor:
+    """The query the scores effectively use, FP32 [B, H, d_c + d_r]: integer parts `q8 * qs` (the kernels'
+    `quantize_query` with the part's grouping), fp16 parts rounded to FP16 when `fp16_query` (the Triton
+    kernel's fp16 dot; the CPU fast path multiplies float parts in FP32). An exact reference fed with it sees
+    the kernel's own arithmetic only, without the query quantization. `codec`: a `LayerCodec`."""
+    parts = []
+    for rc, x in zip((codec.ckv, codec.kpe), q.float().split([codec.ckv.width, codec.kpe.width], dim=-1)):
+        if rc.spec.kind in ("int8", "int4"):
+            q8, qs = quantize_query(x, rc.layout.group_size)
+            x = (q8.float().unflatten(-1, (-1, rc.layout.group_size)) * qs.unsqueeze(-1)).flatten(-2)
+        elif rc.spec.kind == "fp16" and fp16_query:
+            x = x.half().float()
+        parts.append(x)
+    return torch.cat(parts, dim=-1)
+
+
+def merge_gated_fp16_reference(out_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:
+    """Torch mirror of the kernel's stage 2 (`merge_gated_fp16`): fold S partials [..., S, D] / LSEs [..., S]
+    left to right with the FP16 sigmoid gate -> ([..., D] fp32, [...] fp32). Same arithmetic as
+    `_merge_kernel`."""
+    h = out_parts[..., 0, :].float()
+    lse = lse_parts[..., 0].float()
+    for k in range(1, out_parts.shape[-2]):
+        lse_b = lse_parts[..., k].float()
+        gate = torch.sigmoid(lse - lse_b).half().float().unsqueeze(-1)
+        h = gate * h + (1.0 - gate) * out_parts[..., k, :].float()
+        lse = torch.logaddexp(lse, lse_b)
+    return h, lse
+
+
+def merge_error_bound(n_chunks: int, values: Tensor) -> Tensor:
+    """The kernel docstring's bound on |gated merge − exact softmax| per channel for `values` [T, D] -> [D]."""
+    v = values.float()
+    spread = v.amax(0) - v.amin(0)
+    return (n_chunks - 1) * 2.0**-11 * (1 + 2.0**-10) * spread + n_chunks * 2.0**-20 * v.abs().amax(0)
+
+
+def int8_gemm_reference(
+    x: Tensor, w_int8: Tensor, w_scale: Tensor, out_dtype: torch.dtype = torch.float16,
+    outlier_threshold: float | None = None, w_fp: Tensor | None = None,
+) -> Tensor:
+    """Torch reference of `int8_gemm` (same arguments, same arithmetic; the INT32 sums are exact in FP64)."""
+    from mlaquant.kernels import int8_gemm as G  # lazily: tests set TRITON_INTERPRET before triton loads
+
+    G.check_gemm_args(x, w_int8, w_scale, out_dtype, w_fp)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    x8, sx, cols = quantize_activation(x2, outlier_threshold)
+    acc = (x8.double() @ w_int8.double().T).float()  # exact: |sum| < 2^31 << 2^53
+    y = acc * sx.unsqueeze(1) * w_scale.unsqueeze(0)
+    extra = G.outlier_product(x2, w_int8, w_scale, cols, w_fp) if outlier_threshold is not None else None
+    if extra is not None:
+        y = y + extra
+    return y.to(out_dtype).reshape(*lead, w_int8.shape[0])
+
+
+def int8_gemm_error_bound(x: Tensor, w: Tensor, w_int8: Tensor, w_scale: Tensor, y: Tensor) -> Tensor:
+    """The docstring's bound on |y − x·wᵀ| [M, N] (no outlier columns): x [M, K], w [N, K] the FP weight that
+    was quantized to (w_int8, w_scale), y the kernel's output."""
+    x32 = x.reshape(-1, x.shape[-1]).float()
+    w_hat = w_int8.float() * w_scale.unsqueeze(1)
+    sx = x32.abs().amax(1) / 127.0
+    quant = 0.5 * w_scale.unsqueeze(0) * x32.abs().sum(1, keepdim=True)
+    quant = quant + 0.5 * sx.unsqueeze(1) * w_hat.abs().sum(1)
+    epilogue = 2.0**-20 * (x32.abs() @ w_hat.abs().T)
+    return quant + UNIT_ROUNDOFF[y.dtype] * y.float().abs().reshape(quant.shape) + epilogue
