@@ -19,12 +19,16 @@ Codes enter the GEMM in the kernel's dot form: sym int8 as stored (a view, no co
 (one XOR of the byte with 0x80) with lo' = lo + 128 s, int4 nibbles unpacked to int8 (sym q − 8, asym q).
 A float part (fp16, bf16, fp32, fp8) is decoded by its codec into an FP32 block and multiplied in FP32.
 
-P·V. An integer c_kv part is dequantized block by block in FP32 (`q · s + lo'`, the codec's values), a
-float part is its FP32 block from the scores, and P (FP32) @ V runs as one FP32 GEMM per block. BF16 P·V
-was tried (dot-form codes are exact in BF16, the scales folded into P): torch on CPU has no BF16 GEMM with
-an FP32 result, and rounding each block's partial output to BF16 doubled the output error of an int8-row
-cache in a random-data test (relative L2 2.2e-3 against 1.4e-3, even with P split into two BF16 halves);
-it is not used.
+P·V. A row-wise integer c_kv part (one scale s_t per row) is never dequantized: the scaled probabilities
+p_t·s_t of a block are written as two int8 digits per head (`split_probs`: m · (hi + lo/128), m = max/127,
+|error| ≤ m/256), and one int8 x int8 -> int32 GEMM [2H, t] x [t, d_c] on the dot-form codes gives both
+digits' exact sums, combined in FP32 (+ probs @ lo' for asymmetric codes). A grouped integer part is
+dequantized block by block in FP32 (`q · s + lo'`) and multiplied in FP32 — per-group integer GEMMs were
+measured about twice as slow at 16 groups; a float part is its FP32 block from the scores. int4 codes
+are unpacked as [low nibbles | high nibbles] (channel order `_Part.perm`, undone once per sequence on the
+output): one contiguous pass, ~7x cheaper than interleaving. BF16 P·V was tried (codes exact in BF16):
+torch on CPU has no BF16 GEMM with an FP32 result, and rounding each block's output to BF16 gave ~10x the
+error of the two-digit scheme (relative L2 2.3e-3 against 2e-4 in a throwaway comparison); not used.
 
 Error against the FP32 reference (`mla_decode_reference`, the same quantized cache):
 
@@ -33,7 +37,9 @@ Error against the FP32 reference (`mla_decode_reference`, the same quantized cac
            the INT32 dots are exact and the FP32 epilogue adds a few ulps. Float parts: FP32 rounding only.
   P·V      a score error Δs moves each probability by a factor within e^(±2Δs), so |Δout[h, c]| ≤
            (e^(2 Δs) − 1) · max_t |v[t, c]|; FP32 P·V and the online rescaling add ≤ 2^-12 · max_t |v[t, c]|
-           (≤ BLOCK_TOKENS · 2^-24 = 2^-14 within a block's GEMM, a few 2^-24 per block merge, for T < 2^20).
+           (≤ BLOCK_TOKENS · 2^-24 = 2^-14 within a block's GEMM, a few 2^-24 per block merge, for T < 2^20);
+           the two int8 digits of p·s (row-wise integer c_kv) add ≤ e^(4Δs) · max_t(p_t s_t) · Σ_t |q_t,c| /
+           (127 · 256 · Σ_t p_t), p_t = e^(score_t − max score), q the codes (`error_bound` computes it).
   lse      |Δlse| ≤ Δs = max_t |Δscore[t]| (+ FP32 rounding).
 
 `error_bound` computes the lse and output bounds of a call; tests/test_cpu_decode.py checks the outputs
@@ -64,6 +70,21 @@ def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     return q8.flatten(-2), qs
 
 
+PROB_STEP = 128.0  # the low int8 digit of a probability weighs 1/128 of the high one
+
+
+def split_probs(ps: Tensor) -> tuple[Tensor, Tensor]:
+    """Non-negative ps fp32 [H, t] → (digits int8 [2H, t] = [hi; lo], m fp32 [H, 1]) with
+    ps ≈ m · (hi + lo / 128): m = max_t ps / 127 (1 for an all-zero row), hi = round(ps / m) ∈ [0, 127],
+    lo = round((ps / m − hi) · 128) ∈ [−64, 64], so |ps − m · (hi + lo / 128)| ≤ m / 256 per entry."""
+    m = ps.amax(-1, keepdim=True) / 127.0
+    m = torch.where(m > 0, m, torch.ones_like(m))
+    x = ps / m
+    hi = torch.round(x)
+    low = torch.round((x - hi).mul_(PROB_STEP))
+    return torch.cat([hi, low]).to(torch.int8), m
+
+
 class _Part:
     """How one row part (c_kv or k_pe) is read: byte range in the row and, for integer parts, the
     query's quantized form for one sequence (set by `bind`)."""
@@ -72,31 +93,50 @@ class _Part:
         self.rc, self.offset = rc, offset
         self.is_int = rc.spec.kind in _INT_KINDS
         self.asym = self.is_int and not rc.spec.symmetric
-        self.n_g, self.g = (rc.layout.n_groups, rc.layout.group_size) if self.is_int else (1, rc.width)
+        lay = rc.layout
+        self.n_g, self.g = (lay.n_groups, lay.group_size) if self.is_int else (1, rc.width)
+        # int4 codes are unpacked as [low nibbles | high nibbles]: channel order `perm` (even channels, then
+        # odd), one contiguous pass instead of an interleaving one; each group splits into two half-groups
+        # that share its scale (a row-wise part stays one group: every channel has the same scale)
+        self.perm = None
+        if rc.spec.kind == "int4":
+            self.perm = torch.cat([torch.arange(0, rc.width, 2), torch.arange(1, rc.width, 2)])
+            if self.n_g > 1:
+                self.n_g, self.g = 2 * self.n_g, self.g // 2
 
     def bytes_of(self, raw: Tensor) -> Tensor:
         """The part's bytes of block rows raw uint8 [t, row_bytes] → [t, part bytes] (a view)."""
         return raw[:, self.offset : self.offset + self.rc.row_bytes]
 
+    def _stored(self, part: Tensor, offset: int) -> Tensor:
+        """The FP16 array at byte `offset` of the part (one value per stored group) → fp32 [t, n_g]."""
+        n = self.rc.layout.n_groups
+        vals = part[:, offset : offset + 2 * n].contiguous().view(torch.float16).float()
+        return vals if n == self.n_g else torch.cat([vals, vals], dim=1)  # half-groups share their group's
+
     def params(self, part: Tensor) -> tuple[Tensor, Tensor | None]:
         """FP16 scales and dot-form zero points lo' of an integer part's bytes → fp32 [t, n_g] each."""
         lay = self.rc.layout
-        s = part[:, lay.scale_offset : lay.scale_offset + 2 * self.n_g].contiguous().view(torch.float16).float()
+        s = self._stored(part, lay.scale_offset)
         if not self.asym:
             return s, None
-        lo = part[:, lay.zero_offset : lay.zero_offset + 2 * self.n_g].contiguous().view(torch.float16).float()
-        return s, lo + (128.0 if lay.spec.kind == "int8" else 8.0) * s
+        return s, self._stored(part, lay.zero_offset) + (128.0 if lay.spec.kind == "int8" else 8.0) * s
 
     def codes(self, part: Tensor) -> Tensor:
-        """Dot-form int8 codes [t, W] of an integer part (sym int8: a strided view of the block)."""
+        """Dot-form int8 codes [t, W] of an integer part (sym int8: a strided view of the block; int4: in
+        the channel order `perm`)."""
         rc, raw = self.rc, part[:, : self.rc.layout.code_bytes]
         if rc.spec.kind == "int8":
             return raw.view(torch.int8) if rc.spec.symmetric else (raw ^ 0x80).view(torch.int8)
-        out = torch.empty(raw.shape[0], rc.width, dtype=torch.int8)
-        nib = out.view(raw.shape[0], -1, 2)
-        torch.bitwise_and(raw, 0x0F, out=nib[..., 0].view(torch.uint8))
-        torch.bitwise_right_shift(raw, 4, out=nib[..., 1].view(torch.uint8))
-        return out.sub_(8)
+        return torch.cat([raw & 0x0F, raw >> 4], dim=1).view(torch.int8).sub_(8)
+
+    def quantized_query(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """`quantize_query` of the part's query x [H, W] with the stored grouping, in the codes' channel
+        order: (q8 int8 [H, W], qs fp32 [H, n_g])."""
+        q8, qs = quantize_query(x, self.rc.layout.group_size)
+        if self.perm is None:
+            return q8, qs
+        return q8.index_select(1, self.perm), (qs if qs.shape[1] == self.n_g else torch.cat([qs, qs], dim=1))
 
 
 def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, q8t: Tensor, qs: Tensor,
@@ -122,7 +162,7 @@ class _Sequence:
             if not p.is_int:
                 self.q.append(x.t().contiguous())
                 continue
-            q8, qs = quantize_query(x, p.g)  # [H, W], [H, n_g]
+            q8, qs = p.quantized_query(x)  # [H, W], [H, n_g]
             q8t = q8.view(heads, p.n_g, p.g).permute(1, 2, 0).contiguous()  # [n_g, G, H]
             qlo = (q8.view(heads, p.n_g, p.g).sum(-1, dtype=torch.int32).float() * qs).t() if p.asym else None
             self.q.append((q8t, qs.t().unsqueeze(1).contiguous(), qlo))
@@ -147,7 +187,7 @@ class _Sequence:
                 if p is self.parts[0]:
                     values = rows
             scores = part_scores if scores is None else scores.add_(part_scores)
-        scores = scores.t().mul(self.scale)  # [H, t]
+        scores = scores.t().contiguous().mul_(self.scale)  # [H, t]: reductions along a strided dim are far slower
         m = torch.maximum(self.m, scores.amax(-1))
         alpha = torch.exp(self.m - m)
         probs = scores.sub_(m.unsqueeze(-1)).exp_()
@@ -156,11 +196,24 @@ class _Sequence:
         self.m = m
         if isinstance(values, Tensor):
             self.acc.addmm_(probs, values)
-        else:
+        elif self.parts[0].n_g == 1:
             self._int_pv(probs, *values)
+        else:
+            self._dequant_pv(probs, *values)
 
     def _int_pv(self, probs: Tensor, codes: Tensor, s: Tensor, lo: Tensor | None) -> None:
-        """acc += probs [H, t] @ (codes · s + lo'), the integer c_kv part dequantized in FP32 in this block."""
+        """acc += probs [H, t] @ (codes · s + lo') for a row-wise integer c_kv part (s, lo' [t, 1]), on the
+        codes: the scaled probabilities p·s in two int8 digits (`split_probs`), one exact int8 x int8 ->
+        int32 GEMM [2H, t] x [t, W], the digits combined in FP32; the zero points as probs @ lo'."""
+        digits, m = split_probs(probs * s.t())
+        hi, low = torch._int_mm(digits, codes).float().chunk(2)  # [H, W] each
+        self.acc.addcmul_(hi.add_(low, alpha=1.0 / PROB_STEP), m)
+        if lo is not None:
+            self.acc.add_(probs @ lo)
+
+    def _dequant_pv(self, probs: Tensor, codes: Tensor, s: Tensor, lo: Tensor | None) -> None:
+        """acc += probs [H, t] @ (codes · s + lo') for a grouped integer c_kv part (s, lo' [t, n_g]): the
+        block dequantized in FP32, one FP32 GEMM (per-group integer GEMMs measured ~2x slower than this)."""
         p = self.parts[0]
         v = codes.float().view(codes.shape[0], p.n_g, p.g).mul_(s.unsqueeze(-1))
         if lo is not None:
@@ -169,9 +222,11 @@ class _Sequence:
 
     def result(self) -> tuple[Tensor, Tensor]:
         """(out [H, d_c], lse [H]) of the blocks folded in so far (out 0, lse −inf before any)."""
+        perm = self.parts[0].perm
+        acc = self.acc if perm is None else torch.empty_like(self.acc).index_copy_(1, perm, self.acc)
         if torch.isinf(self.m).all():
-            return self.acc, self.m.clone()
-        return self.acc / self.l.unsqueeze(-1), self.m + torch.log(self.l)
+            return acc, self.m.clone()
+        return acc / self.l.unsqueeze(-1), self.m + torch.log(self.l)
 
 
 def _blocks(pool: Tensor, pages: list[int], n_tokens: int, block_tokens: int):
@@ -215,21 +270,51 @@ def mla_decode_cpu(
     return out, lse
 
 
-def error_bound(q: Tensor, rows: list[Tensor], codec: LayerCodec, d_c: int, scale: float) -> tuple[Tensor, Tensor]:
+def error_bound(
+    q: Tensor, rows: list[Tensor], codec: LayerCodec, d_c: int, scale: float,
+    row_scales: list[Tensor] | None = None, quantized_query: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Worst-case |lse error| [B, H] and |out error| [B, H, d_c] of `mla_decode_cpu` against the FP32
     reference, for q [B, H, d_c + d_r] and each sequence's decoded rows [T_b, d_c + d_r] (module
     docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + 2^-20 · Σ_c |q_c k_c|) · (1 + 2^-10) over the
-    tokens, Δout = (e^(2 Δs) − 1 + 2^-12) · max_t |v[t, c]|."""
+    tokens (the qs term only when `quantized_query`: off for a query already equal to its quantized
+    value), Δout = (e^(2 Δs) − 1 + 2^-12) · max_t |v[t, c]| + the P·V digit term of a row-wise integer
+    c_kv part, e^(4 Δs) · max_t(p_t s_t) · Σ_t |q_t,c| / (127 · 256 · Σ_t p_t) with p_t = e^(score_t − max)
+    and s_t = `row_scales[b]` fp32 [T_b] (the stored c_kv row scales; required for such a part); |q_t,c| =
+    |v_t,c| / s_t for symmetric codes, the dot-form bound (128 int8, 8 int4) for asymmetric ones."""
+    int_pv = codec.ckv.spec.kind in _INT_KINDS and codec.ckv.layout.n_groups == 1
+    if int_pv and row_scales is None:
+        raise ValueError(f"error_bound: codec {codec.name} decodes P·V on the codes; pass row_scales")
     d_score, d_out = [], []
-    for qb, kv in zip(q.float(), rows):
+    for b, (qb, kv) in enumerate(zip(q.float(), rows)):
+        heads = qb.shape[0]
+        if not kv.shape[0]:
+            d_score.append(torch.zeros(heads))
+            d_out.append(torch.zeros(heads, d_c))
+            continue
         k_abs = kv.abs()
         bound = (qb.abs() @ k_abs.t()) * 2.0**-20  # [H, T]: FP32 products and sums
         for rc, sl in ((codec.ckv, slice(0, d_c)), (codec.kpe, slice(d_c, None))):
-            if rc.spec.kind in _INT_KINDS:
+            if rc.spec.kind in _INT_KINDS and quantized_query:
                 _, qs = quantize_query(qb[:, sl], rc.layout.group_size)  # [H, n_g]
                 bound += (qs / 2) @ k_abs[:, sl].unflatten(-1, (-1, rc.layout.group_size)).sum(-1).t()
-        ds = scale * (1 + 2.0**-10) * bound.amax(-1) if kv.shape[0] else torch.zeros(qb.shape[0])
-        vmax = kv[:, :d_c].abs().amax(0) if kv.shape[0] else torch.zeros(d_c)
+        ds = scale * (1 + 2.0**-10) * bound.amax(-1)
+        out = (torch.expm1(2 * ds) + 2.0**-12).unsqueeze(-1) * kv[:, :d_c].abs().amax(0)
+        if int_pv:
+            out += _digit_bound(qb, kv, codec, d_c, scale, row_scales[b], ds)
         d_score.append(ds)
-        d_out.append((torch.expm1(2 * ds) + 2.0**-12).unsqueeze(-1) * vmax)
+        d_out.append(out)
     return torch.stack(d_score), torch.stack(d_out)
+
+
+def _digit_bound(q: Tensor, kv: Tensor, codec: LayerCodec, d_c: int, scale: float, s: Tensor, ds: Tensor) -> Tensor:
+    """The P·V digit term of `error_bound` for one sequence: [H, d_c]."""
+    scores = (q @ kv.t()) * scale  # [H, T]
+    p = (scores - scores.amax(-1, keepdim=True)).exp()
+    if codec.ckv.spec.symmetric:
+        safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
+        sum_q = (kv[:, :d_c].abs() / safe).sum(0)  # [d_c]
+    else:
+        sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 8.0) * kv.shape[0])
+    top = (p * s).amax(-1) / (127.0 * 256.0 * p.sum(-1))  # [H]
+    return (torch.exp(4 * ds) * top).unsqueeze(-1) * sum_q

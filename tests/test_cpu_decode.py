@@ -28,6 +28,9 @@ CODECS = [
     ("int4-g16-asym", "int4-row-asym"),
     ("int8-g16-asym", "int8-g16"),
     ("fp8", "fp8-g16"),
+    ("int4-row", "int4-row"),
+    ("int8-row-asym", "int4-g16"),
+    ("int4-row-asym", "fp16"),
 ]
 LENS = [37, 1, 0, 70, 16]
 
@@ -53,17 +56,26 @@ def _cache(codec: LayerCodec, lens: list[int], seed: int = 0):
             table[b, need[b] :] = -1
     q = torch.randn(len(lens), H, D_C + D_R, generator=g)
     decoded = [codec.decode(codec.encode(r)) for r in rows]
-    return q, pool, table, torch.tensor(lens, dtype=torch.int32), decoded
+    return q, pool, table, torch.tensor(lens, dtype=torch.int32), decoded, [_row_scales(codec, r) for r in rows]
+
+
+def _row_scales(codec: LayerCodec, rows: torch.Tensor) -> torch.Tensor | None:
+    """The stored FP16 scale of each row's c_kv part, fp32 [T] (None unless the part is integer row-wise)."""
+    lay = codec.ckv.layout
+    if codec.ckv.spec.kind not in ("int8", "int4") or lay.n_groups != 1:
+        return None
+    return codec.ckv.encode(rows[:, :D_C])[:, lay.scale_offset : lay.scale_offset + 2].contiguous().view(
+        torch.float16).float().flatten()
 
 
 @pytest.mark.parametrize("names", CODECS, ids=lambda n: "/".join(n))
 @pytest.mark.parametrize("block_tokens", [16, 1024])
 def test_fast_path_within_stated_bound_of_reference(names, block_tokens):
     codec = LayerCodec.from_names(*names, D_C, D_R)
-    q, pool, table, lens, decoded = _cache(codec, LENS)
+    q, pool, table, lens, decoded, scales = _cache(codec, LENS)
     out, lse = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=block_tokens)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
-    d_lse, d_out = error_bound(q, decoded, codec, D_C, SCALE)
+    d_lse, d_out = error_bound(q, decoded, codec, D_C, SCALE, scales)
     assert torch.isfinite(out).all()
     empty = lens == 0
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
@@ -72,11 +84,15 @@ def test_fast_path_within_stated_bound_of_reference(names, block_tokens):
     integer = any(rc.spec.kind in ("int8", "int4") for rc in (codec.ckv, codec.kpe))
     if integer:  # the bound is not vacuous: the query quantization is its main term
         assert (out - ref_out).abs().max() > 1e-6
-    # without the query quantization, the rest is FP32 rounding: the INT32 dots are exact
+    # without the query quantization, the scores are exact up to FP32 rounding (the INT32 dots are exact)
+    # and the output moves only by FP32 rounding and, for row-wise integer c_kv, the P·V digit term
     q_eff = effective_query(q, codec, fp16_query=False)
     ref_out, ref_lse = mla_decode_reference(q_eff, pool, table, lens, codec, D_C, SCALE)
-    torch.testing.assert_close(out, ref_out, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
+    _, d_exact = error_bound(q_eff, decoded, codec, D_C, SCALE, scales, quantized_query=False)
+    assert ((out - ref_out).abs() <= d_exact + 2e-5).all()
+    if scales[0] is not None:  # the digit term is not vacuous: a single int8 digit would break it
+        assert (out - ref_out).abs().max() > 1e-6
 
 
 def test_dispatch_auto_takes_cpu_path_and_torch_stays_reference():
@@ -85,7 +101,7 @@ def test_dispatch_auto_takes_cpu_path_and_torch_stays_reference():
     with pytest.raises(BackendError, match="CPU tensors only"):
         resolve_backend("cpu", "cuda")
     codec = LayerCodec.from_names("int8", "fp16", D_C, D_R)
-    q, pool, table, lens, _ = _cache(codec, [20, 33])
+    q, pool, table, lens, _, _ = _cache(codec, [20, 33])
     fast = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE)
     ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
