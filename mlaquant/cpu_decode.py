@@ -16,19 +16,20 @@ group) exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q
 qs)); per group one int8 x int8 -> int32 `torch._int_mm` (oneDNN, VNNI where the CPU has it) of the
 block's codes with q8, exact; then in FP32 `qs * s * dot` (+ `qs * lo' * Σq8` for asymmetric groups).
 Codes enter the GEMM in the kernel's dot form: sym int8 as stored (a view, no copy), asym int8 as q − 128
-(one XOR of the byte with 0x80) with lo' = lo + 128 s, int4 nibbles unpacked to int8 (sym q − 8, asym q).
+(one XOR of the byte with 0x80) with lo' = lo + 128 s, int4 nibbles unpacked to int8 as q − 8 (asymmetric:
+lo' = lo + 8 s).
 A float part (fp16, bf16, fp32, fp8) is decoded by its codec into an FP32 block and multiplied in FP32.
 
 P·V. A row-wise integer c_kv part (one scale s_t per row) is never dequantized: the scaled probabilities
 p_t·s_t of a block are written as two int8 digits per head (`split_probs`: m · (hi + lo/128), m = max/127,
 |error| ≤ m/256), and one int8 x int8 -> int32 GEMM [2H, t] x [t, d_c] on the dot-form codes gives both
 digits' exact sums, combined in FP32 (+ probs @ lo' for asymmetric codes). A grouped integer part is
-dequantized block by block in FP32 (`q · s + lo'`) and multiplied in FP32 — per-group integer GEMMs were
-measured about twice as slow at 16 groups; a float part is its FP32 block from the scores. int4 codes
+dequantized block by block in FP32 (`q · s + lo'`) and multiplied in FP32 (per-group integer GEMMs, one
+per group and block, measured slower); a float part is its FP32 block from the scores. int4 codes
 are unpacked as [low nibbles | high nibbles] (channel order `_Part.perm`, undone once per sequence on the
-output): one contiguous pass, ~7x cheaper than interleaving. BF16 P·V was tried (codes exact in BF16):
-torch on CPU has no BF16 GEMM with an FP32 result, and rounding each block's output to BF16 gave ~10x the
-error of the two-digit scheme (relative L2 2.3e-3 against 2e-4 in a throwaway comparison); not used.
+output): one contiguous pass instead of an interleaving one. BF16 P·V (codes exact in BF16) is not used:
+torch on CPU has no BF16 GEMM with an FP32 result, and rounding each block's output to BF16 (2^-9 relative)
+loses more than the two digits do (m/256 per probability, m = max/127).
 
 Error against the FP32 reference (`mla_decode_reference`, the same quantized cache):
 
