@@ -5,7 +5,8 @@ attention shapes H 16, d_c 512, d_r 64) per batch × context × codec × path ("
 Every sequence of a batch holds `context` random latent rows on shuffled 64-token pages. Rows: median
 ms per call, fast / reference of the same codec, fast / fast of the first codec (the base, fp16), and the
 bound: max(cache bytes / bandwidth, FLOPs / peak) with the bandwidth from a large-copy probe, the peak
-from an FP32 GEMM probe (P·V and float scores) and an int8 `torch._int_mm` probe (integer scores).
+from an FP32 GEMM probe (float scores, P·V of float and grouped caches) and an int8 `torch._int_mm` probe
+(integer scores, the two-digit P·V of row-wise integer caches).
 """
 
 from __future__ import annotations
@@ -47,9 +48,13 @@ def machine_probes(repeats: int = 5) -> dict:
 def step_bound(codec: LayerCodec, batch: int, context: int, probes: dict) -> float:
     """Seconds one call cannot beat: max(cache bytes / bandwidth, score and P·V FLOPs / their peaks)."""
     tokens = batch * context
-    score_peak = probes["int8_ops"] if codec.ckv.spec.kind in ("int8", "int4") else probes["fp32_flops"]
+    integer = codec.ckv.spec.kind in ("int8", "int4")
+    score_peak = probes["int8_ops"] if integer else probes["fp32_flops"]
     flops = 2 * tokens * HEADS * D_C / score_peak + 2 * tokens * HEADS * D_R / probes["fp32_flops"]
-    flops += 2 * tokens * HEADS * D_C / probes["fp32_flops"]
+    if integer and codec.ckv.layout.n_groups == 1:  # P·V on the codes: two int8 digits per probability
+        flops += 2 * 2 * tokens * HEADS * D_C / probes["int8_ops"]
+    else:
+        flops += 2 * tokens * HEADS * D_C / probes["fp32_flops"]
     return max(tokens * codec.row_bytes / probes["bandwidth_Bps"], flops)
 
 
