@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     print(args.prompt + model.tokenizer.decode(new))
     print(
         f"-- {len(new)} tokens in {elapsed:.2f} s: {len(new) / elapsed:.1f} tokens/s "
-        f"(prompt {len(prompt)} tokens, plan {args.plan}, backend {ops.resolve_backend(args.backend, model.device)}, "
+        f"(prompt {len(prompt)} tokens, plan {args.plan}, backend {ops.describe_backend(args.backend, model.device)}, "
         "incl. prefill)"
     )
     if guard is not None:

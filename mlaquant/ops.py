@@ -16,7 +16,9 @@ Backends (`Backend`): "torch" is the FP32 reference in this file; "triton" is
 `mlaquant.kernels.mla_decode.mla_decode` (same signature without `backend`), on CUDA or on CPU under
 TRITON_INTERPRET=1; "cpu" is the fast CPU path `mlaquant.cpu_decode.mla_decode_cpu` (integer scores, blocked
 P·V, its error bound in its docstring); "auto" picks triton for CUDA tensors when the kernel imports and
-reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors, else torch.
+reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors whose longest
+context reaches `CPU_FAST_MIN_CONTEXT` tokens, else torch (below it the fast path's per-sequence blocks cost
+more than the reference's one batched pass: `mlaquant bench decode --batch 1,8 --contexts 256,512,1024`).
 Every backend checks its arguments against the one input contract, `mlaquant.decode_inputs.DecodeInputs`.
 """
 
@@ -34,6 +36,8 @@ from mlaquant.codecs import LayerCodec
 from mlaquant.cpu_decode import mla_decode_cpu
 from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
+
+CPU_FAST_MIN_CONTEXT = 1024  # tokens: where the fast CPU path overtakes the reference (module docstring)
 
 # op -> (module, function) of its Triton implementation
 KERNELS = {
@@ -129,13 +133,26 @@ def mla_decode(
     (cache-sized blocks) need none.
     """
     resolved = resolve_backend(backend, q.device)
-    if resolved == Backend.CPU.value:
+    if resolved == Backend.CPU.value and (Backend(backend) is Backend.CPU or _long_enough(seq_lens)):
         return mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale)
     if resolved == Backend.TRITON.value and (
         Backend(backend) is not Backend.AUTO or _kernel_reads(codec, q.device)
     ):
         return load_kernel()(q, pool, block_table, seq_lens, codec, d_c, scale)
     return mla_decode_reference(q, pool, block_table, seq_lens, codec, d_c, scale, scratch)
+
+
+def describe_backend(backend: str | Backend, device: torch.device | str) -> str:
+    """What `mla_decode(..., backend=backend)` runs on `device`, in words (for reports)."""
+    resolved = resolve_backend(backend, device)
+    if resolved == Backend.CPU.value and Backend(backend) is Backend.AUTO:
+        return f"auto (cpu fast path from {CPU_FAST_MIN_CONTEXT} tokens of context, torch below)"
+    return resolved
+
+
+def _long_enough(seq_lens: Tensor) -> bool:
+    """Whether "auto" on CPU takes the fast path: the longest context reaches `CPU_FAST_MIN_CONTEXT`."""
+    return bool(seq_lens.numel()) and int(seq_lens.max()) >= CPU_FAST_MIN_CONTEXT
 
 
 def mla_decode_reference(

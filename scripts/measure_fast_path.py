@@ -1,7 +1,7 @@
 """Does the fast CPU decode path keep a calibrated plan's accuracy? Step-decode held-out text through the
-plan on the fast path (backend "cpu", what "auto" takes on CPU) and on the FP32 reference (backend
-"torch", what teacher-forced evaluation computes), compare perplexity against the FP16 cache, and check
-that greedy `generate` picks the same tokens on both paths.
+plan on the fast path (backend "cpu", what "auto" takes on CPU from `ops.CPU_FAST_MIN_CONTEXT` tokens) and
+on the FP32 reference (backend "torch", what teacher-forced evaluation computes), compare perplexity
+against the FP16 cache, and check that greedy `generate` picks the same tokens on both paths.
 
     python scripts/measure_fast_path.py --plan plans/default [--samples 8 --seq-len 512 --prefill 64]
 
@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mlaquant import DecodeSession, load_model
-from mlaquant.calib.data import split_path, token_samples
+from mlaquant.calib.data import split_path
 from mlaquant.plan import Plan
+from mlaquant.samples import token_samples
 from mlaquant.session import generate
 
 PROMPTS = ["def fib(n):", "The capital of France is", "import numpy as np\n"]
@@ -73,7 +74,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
-    ids = token_samples(model.tokenizer, split_path("test"), args.samples, args.seq_len, 2, model.cfg.eos_token_id)
+    ids = token_samples(model.tokenizer, split_path("test"), args.samples, args.seq_len, 2, model.cfg.eos_id)
     plan = Plan.load(args.plan) if Path(args.plan).is_dir() else args.plan
     runs = {"fp16 cache, reference": ("fp16", "torch"), "plan, reference": (plan, "torch"), "plan, fast": (plan, "cpu")}
     rows = []

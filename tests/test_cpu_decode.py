@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaquant import DecodeSession
+from mlaquant import DecodeSession, ops
 from mlaquant.codecs import LayerCodec
 from mlaquant.cpu_decode import error_bound, mla_decode_cpu
 from mlaquant.errors import BackendError
@@ -95,7 +95,7 @@ def test_fast_path_within_stated_bound_of_reference(names, block_tokens):
         assert (out - ref_out).abs().max() > 1e-6
 
 
-def test_dispatch_auto_takes_cpu_path_and_torch_stays_reference():
+def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_reference(monkeypatch):
     assert resolve_backend("auto", "cpu") == "cpu"
     assert resolve_backend("cpu", "cpu") == "cpu"
     with pytest.raises(BackendError, match="CPU tensors only"):
@@ -104,9 +104,12 @@ def test_dispatch_auto_takes_cpu_path_and_torch_stays_reference():
     q, pool, table, lens, _, _ = _cache(codec, [20, 33])
     fast = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE)
     ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    assert not torch.equal(fast[0], ref[0])
+    for backend, want in (("cpu", fast), ("torch", ref), ("auto", ref)):  # 33 tokens < CPU_FAST_MIN_CONTEXT
+        for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend=backend), want):
+            assert torch.equal(a, b), backend
+    monkeypatch.setattr(ops, "CPU_FAST_MIN_CONTEXT", 33)  # the longest context reaches it: auto goes fast
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
-        assert torch.equal(a, b)
-    for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend="torch"), ref):
         assert torch.equal(a, b)
 
 
