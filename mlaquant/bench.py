@@ -60,6 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=V2_LITE_ATTENTION["intermediate_size"],
         help="dense MLP width; a small one leaves mostly attention + projections in the step",
     )
+    d.add_argument(
+        "--batch",
+        default=None,
+        help="comma-separated batch sizes: time the decode-attention call per batch, codec and path "
+        "(reference / fast) against the machine bound instead of whole steps (mlaquant.bench_attention)",
+    )
     d.add_argument("--out", default=None, help="also write the table as JSON here")
     m = sub.add_parser("memory", help="FP16 latent vs per-head K/V cache bytes per token per layer")
     m.add_argument("--model", default=None, help="also a checkpoint directory (default: the bundled model)")
@@ -238,12 +244,32 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise MLAQuantError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from e
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    if args.batch:
+        return _run_attention(args, contexts, codecs)
     print(
         f"decode step, DeepSeek-V2-Lite attention shapes, {args.layers} layers, dense MLP {args.intermediate_size}, "
         f"batch 1, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
     print(format_header(codecs))
     results = bench_decode(contexts, args.layers, args.steps, codecs, args.intermediate_size)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _run_attention(args: argparse.Namespace, contexts: list[int], codecs: list[str]) -> int:
+    from mlaquant import bench_attention
+
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError as e:
+        raise MLAQuantError(f"--batch must be comma-separated integers, got {args.batch!r}") from e
+    print(
+        f"decode attention call, DeepSeek-V2-Lite shapes (H 16, d_c 512, d_r 64), {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}"
+    )
+    print(bench_attention.format_header())
+    results = bench_attention.bench_attention(batches, contexts, codecs, args.steps)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

@@ -81,6 +81,19 @@ class DecodeInputs:
         lo, hi = (int(v) for v in torch.stack([self.seq_lens.min(), self.seq_lens.max()]).tolist())
         return self.check_lens(lo, hi)
 
+    def host_pages(self) -> tuple[list[list[int]], list[int]]:
+        """(the block ids of each sequence's pages, seq_lens) read to the host and checked: lengths within
+        capacity, every block id a sequence reads within [0, num_blocks). A few hundred ints, read without
+        per-element device ops; entries past a sequence's pages are never read (they may be anything)."""
+        num_blocks, block_size = self.pool.shape[0], self.pool.shape[1]
+        lens = self.seq_lens.tolist()
+        t_max = self.check_lens(min(lens), max(lens)) if lens else 0
+        n_pages = -(-t_max // block_size)
+        pages = [row[: -(-n // block_size)] for row, n in zip(self.block_table[:, :n_pages].tolist(), lens)]
+        if any(p < 0 or p >= num_blocks for row in pages for p in row):
+            raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
+        return pages, lens
+
     def check_kernel_layout(self) -> None:
         """What the Triton kernel reads beyond the contract: q fp16/bf16/fp32, int32 index tensors, and pool
         blocks whose rows are contiguous."""

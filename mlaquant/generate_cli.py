@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
+                   help="decode attention: auto = triton on CUDA, the fast cpu path on CPU; torch = FP32 reference")
     p.add_argument(
         "--guard-config",
         default=None,
@@ -54,6 +55,7 @@ def json_summary(args: argparse.Namespace, model, prompt: list[int], new: list[i
 
 
 def run(args: argparse.Namespace) -> int:
+    from mlaquant import ops
     from mlaquant.guard import Guard
     from mlaquant.loader import load_model
     from mlaquant.session import generate
@@ -82,9 +84,10 @@ def run(args: argparse.Namespace) -> int:
     human = sys.stderr if args.json else sys.stdout
     if not (args.json and args.quiet):
         print(args.prompt + model.tokenizer.decode(new), file=human)
+        backend = ops.describe_backend(args.backend, model.device)
         print(
             f"-- {len(new)} tokens in {elapsed:.2f} s: {len(new) / elapsed:.1f} tokens/s "
-            f"(prompt {len(prompt)} tokens, plan {args.plan}, incl. prefill)",
+            f"(prompt {len(prompt)} tokens, plan {args.plan}, backend {backend}, incl. prefill)",
             file=human,
         )
         if guard is not None:

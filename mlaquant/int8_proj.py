@@ -20,8 +20,11 @@ kv_b_proj. One product's error bound is `int8_gemm`'s (its docstring); the effec
 like a cache codec's: by the calibration search (`int8_matmul` in configs/calibrate.yaml, which turns it
 off again layer by layer while the plan is over budget) and by the sweep.
 
-Backends: "torch" sums the INT8 products exactly in FP64, batched over heads; "triton" runs every head in
-one launch (`int8_gemm_grouped`; CUDA, or CPU under TRITON_INTERPRET=1); "auto" picks triton on CUDA.
+Backends: "torch" sums the INT8 products exactly in FP64, batched over heads; "cpu" runs them as real
+int8 x int8 -> int32 GEMMs (`torch._int_mm`, one per head), exact as long as K · 127² < 2^31 (K < 133 144;
+longer rows fall back to the FP64 sums), so its results are bit-identical to "torch"; "triton" runs every
+head in one launch (`int8_gemm_grouped`; CUDA, or CPU under TRITON_INTERPRET=1); "auto" picks triton on
+CUDA and cpu on CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from torch import Tensor, nn
 from mlaquant import ops
 from mlaquant.int8_quant import OUT_DTYPES, quantize_activation, quantize_weight_per_channel
 from mlaquant.model import MLAAttention, MLAModel, shallow_copy
+
+INT32_EXACT_K = (2**31 - 1) // 127**2 + 1  # below this many products an INT32 sum of int8 x int8 cannot overflow
 
 
 def quantize_grouped(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -52,7 +57,14 @@ def grouped_int8_matmul(x: Tensor, w_int8: Tensor, w_scale: Tensor, backend: str
     if ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.TRITON.value:
         return ops.load_kernel("int8_gemm_grouped")(x, w_int8, w_scale, out_dtype)
     x8, sx, _ = quantize_activation(x.reshape(-1, k))
-    acc = torch.einsum("mgk,gnk->mgn", x8.view(-1, g, k).double(), w_int8.double()).float()  # exact sums
+    x8 = x8.view(-1, g, k)
+    if ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.CPU.value and k < INT32_EXACT_K:
+        acc = torch.empty(g, x8.shape[0], w_int8.shape[1], dtype=torch.int32)
+        for i in range(g):
+            torch._int_mm(x8[:, i], w_int8[i].t(), out=acc[i])  # exact INT32 sums
+        acc = acc.transpose(0, 1).float()
+    else:
+        acc = torch.einsum("mgk,gnk->mgn", x8.double(), w_int8.double()).float()  # exact sums
     y = acc * sx.view(-1, g, 1) * w_scale
     return y.to(out_dtype).reshape(*lead, g, w_int8.shape[1])
 

@@ -14,9 +14,12 @@ never read.
 
 Backends (`Backend`): "torch" is the FP32 reference in this file; "triton" is
 `mlaquant.kernels.mla_decode.mla_decode` (same signature without `backend`), on CUDA or on CPU under
-TRITON_INTERPRET=1; "auto" picks triton for CUDA tensors when the kernel imports and reads the codec
-(fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), else torch. Every backend checks its
-arguments against the one input contract, `mlaquant.decode_inputs.DecodeInputs`.
+TRITON_INTERPRET=1; "cpu" is the fast CPU path `mlaquant.cpu_decode.mla_decode_cpu` (integer scores, blocked
+P·V, its error bound in its docstring); "auto" picks triton for CUDA tensors when the kernel imports and
+reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors whose longest
+context reaches `CPU_FAST_MIN_CONTEXT` tokens, else torch (below it the fast path's per-sequence blocks cost
+more than the reference's one batched pass: `mlaquant bench decode --batch 1,8 --contexts 256,512,1024`).
+Every backend checks its arguments against the one input contract, `mlaquant.decode_inputs.DecodeInputs`.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ import torch
 from torch import Tensor
 
 from mlaquant.codecs import LayerCodec
+from mlaquant.cpu_decode import mla_decode_cpu
 from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
+
+CPU_FAST_MIN_CONTEXT = 1024  # tokens: where the fast CPU path overtakes the reference (module docstring)
 
 # op -> (module, function) of its Triton implementation
 KERNELS = {
@@ -47,6 +53,7 @@ class Backend(str, enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    CPU = "cpu"
 
 
 def _triton_interpret() -> bool:
@@ -67,7 +74,8 @@ def load_kernel(op: str = "mla_decode"):
 
 
 def resolve_backend(backend: str | Backend, device: torch.device | str, op: str = "mla_decode") -> str:
-    """'torch' or 'triton' for `op` on tensors on `device`; an explicit backend that cannot run → BackendError."""
+    """'torch', 'triton' or 'cpu' for `op` on tensors on `device`; an explicit backend that cannot run →
+    BackendError."""
     try:
         backend = Backend(backend)
     except ValueError:
@@ -76,6 +84,10 @@ def resolve_backend(backend: str | Backend, device: torch.device | str, op: str 
     device = torch.device(device)
     if backend is Backend.TORCH:
         return Backend.TORCH.value
+    if backend is Backend.CPU or (backend is Backend.AUTO and device.type == "cpu"):
+        if device.type != "cpu":
+            raise BackendError(f"backend 'cpu' runs on CPU tensors only, got device '{device.type}'")
+        return Backend.CPU.value
     if backend is Backend.AUTO:
         if device.type != "cuda":
             return Backend.TORCH.value
@@ -117,13 +129,30 @@ def mla_decode(
     seq_lens: int32 [B] (tokens to attend per sequence, >= 1; 0 gives out 0 and lse -inf).
     Returns out [B, H, d_c] = softmax(q·[c_kv|k_pe]^T * scale) @ c_kv, float32, and
     lse [B, H] float32 (natural-log log-sum-exp of the scaled scores).
-    scratch: buffers the torch path reuses between calls (see `Scratch`); the Triton kernel needs none.
+    scratch: buffers the torch path reuses between calls (see `Scratch`); the Triton kernel and the cpu path
+    (cache-sized blocks) need none.
     """
-    if resolve_backend(backend, q.device) == Backend.TRITON.value and (
+    resolved = resolve_backend(backend, q.device)
+    if resolved == Backend.CPU.value and (Backend(backend) is Backend.CPU or _long_enough(seq_lens)):
+        return mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale)
+    if resolved == Backend.TRITON.value and (
         Backend(backend) is not Backend.AUTO or _kernel_reads(codec, q.device)
     ):
         return load_kernel()(q, pool, block_table, seq_lens, codec, d_c, scale)
     return mla_decode_reference(q, pool, block_table, seq_lens, codec, d_c, scale, scratch)
+
+
+def describe_backend(backend: str | Backend, device: torch.device | str) -> str:
+    """What `mla_decode(..., backend=backend)` runs on `device`, in words (for reports)."""
+    resolved = resolve_backend(backend, device)
+    if resolved == Backend.CPU.value and Backend(backend) is Backend.AUTO:
+        return f"auto (cpu fast path from {CPU_FAST_MIN_CONTEXT} tokens of context, torch below)"
+    return resolved
+
+
+def _long_enough(seq_lens: Tensor) -> bool:
+    """Whether "auto" on CPU takes the fast path: the longest context reaches `CPU_FAST_MIN_CONTEXT`."""
+    return bool(seq_lens.numel()) and int(seq_lens.max()) >= CPU_FAST_MIN_CONTEXT
 
 
 def mla_decode_reference(
@@ -147,14 +176,9 @@ def mla_decode_reference(
     """
     inputs = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c)
     scratch = Scratch() if scratch is None else scratch
-    num_blocks, block_size, _ = pool.shape
-    lens = seq_lens.tolist()
-    t_max = inputs.check_lens(min(lens), max(lens))
-    n_pages = -(-t_max // block_size)
-    # the table on the host: a few hundred ints, checked and read without per-element device ops
-    pages = [row[: -(-n // block_size)] for row, n in zip(block_table[:, :n_pages].tolist(), lens)]
-    if any(p < 0 or p >= num_blocks for row in pages for p in row):
-        raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
+    pages, lens = inputs.host_pages()
+    t_max = max(lens, default=0)
+    n_pages = -(-t_max // pool.shape[1])
     raw = _gather_pages(pool, [row + [0] * (n_pages - len(row)) for row in pages])[:, :t_max]  # [B, T, row_bytes]
     batch, heads, _ = q.shape
     # the two parts are decoded apart and never concatenated: one less pass over the rows per step

@@ -11,32 +11,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mlaquant.cpu_decode import quantize_query
 from mlaquant.int8_quant import quantize_activation
 
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 
-def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """Torch mirror of the kernel's query quantization: [..., W] -> (int8 [..., W], fp32 scales [..., W/G]).
-
-    qs = absmax / 127 per group (1 for an all-zero group), q8 = round_half_even(q / qs), in FP32."""
-    x = q.float().unflatten(-1, (-1, group_size))
-    amax = x.abs().amax(-1)
-    qs = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q8 = torch.round(x / qs.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return q8.flatten(-2), qs
-
-
-def effective_query(q: Tensor, codec) -> Tensor:
-    """The query the kernel's scores effectively use, FP32 [B, H, d_c + d_r]: integer parts `q8 * qs`
-    (`quantize_query` with the part's grouping), fp16 parts rounded to FP16. An exact reference fed with it
-    sees the kernel's own arithmetic only, without the query quantization. `codec`: a `LayerCodec`."""
+def effective_query(q: Tensor, codec, fp16_query: bool = True) -> Tensor:
+    """The query the scores effectively use, FP32 [B, H, d_c + d_r]: integer parts `q8 * qs` (the kernels'
+    `quantize_query` with the part's grouping), fp16 parts rounded to FP16 when `fp16_query` (the Triton
+    kernel's fp16 dot; the CPU fast path multiplies float parts in FP32). An exact reference fed with it sees
+    the kernel's own arithmetic only, without the query quantization. `codec`: a `LayerCodec`."""
     parts = []
     for rc, x in zip((codec.ckv, codec.kpe), q.float().split([codec.ckv.width, codec.kpe.width], dim=-1)):
         if rc.spec.kind in ("int8", "int4"):
             q8, qs = quantize_query(x, rc.layout.group_size)
             x = (q8.float().unflatten(-1, (-1, rc.layout.group_size)) * qs.unsqueeze(-1)).flatten(-2)
-        elif rc.spec.kind == "fp16":
+        elif rc.spec.kind == "fp16" and fp16_query:
             x = x.half().float()
         parts.append(x)
     return torch.cat(parts, dim=-1)

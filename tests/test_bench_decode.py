@@ -29,3 +29,17 @@ def test_table_has_one_cell_per_column(results):
     assert line.startswith("| 96 |")
     assert header.count("|") == line.count("|")
     assert "ceiling (weights only)" in header
+
+
+def test_attention_bench_batch_axis_rows_per_codec_and_path(capsys):
+    from mlaquant import bench_attention
+
+    rows = bench_attention.bench_attention([1, 2], [64], ["fp16", "int8"], steps=1)
+    assert [(r["batch"], r["codec"], r["path"]) for r in rows] == [
+        (b, c, p) for b in (1, 2) for c in ("fp16", "int8") for p in ("reference", "fast")
+    ]
+    for r in rows:
+        assert r["s"] > 0 and r["bound_s"] > 0 and r["vs_bound"] == pytest.approx(r["s"] / r["bound_s"])
+    assert rows[0]["vs_reference"] == 1.0 and rows[1]["vs_base_fast"] == 1.0
+    header = bench_attention.format_header().splitlines()[0]
+    assert header.count("|") == bench_attention.format_row(rows[0]).count("|")

@@ -133,7 +133,7 @@ def test_bad_arguments_are_named():
 
 def test_resolve_backend_choices(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlaquant.kernels.mla_decode", None)  # kernel not importable
-    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("auto", "cpu") == "cpu"
     assert resolve_backend(Backend.AUTO, "cuda") == "torch"
     assert resolve_backend("torch", "cuda") == "torch"
     with pytest.raises(BackendError, match="unknown backend 'cuda'"):
@@ -171,7 +171,7 @@ def test_triton_backend_dispatches_to_the_kernel(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     fake_module = types.SimpleNamespace(mla_decode=fake_kernel)
     monkeypatch.setitem(sys.modules, "mlaquant.kernels.mla_decode", fake_module)
-    assert resolve_backend("auto", "cpu") == "torch"  # the interpreter is never chosen automatically
+    assert resolve_backend("auto", "cpu") == "cpu"  # the interpreter is never chosen automatically
     assert resolve_backend("auto", "cuda") == "triton"
     codec = LayerCodec.from_names("fp16", "fp16", D_C, D_R)
     q, rows = _problem([3])

@@ -17,7 +17,7 @@ PLANS = ["int8", "int4", "int4-g32-asym/int8-row", "int4-row/fp16", "int4+w5", "
 def test_teacher_forced_fake_quant_equals_step_decode(tiny_model, plan):
     cfg = tiny_model.cfg
     ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
-    session = DecodeSession(tiny_model, plan=plan)
+    session = DecodeSession(tiny_model, plan=plan, backend="torch")  # the exact path evaluation computes
     codecs, window = session.codecs, session.plan.window
     # expanded attention, every row fake-quantized (the most recent `window` rows per query FP16)
     teacher = tiny_model(ids, fake_quant_hook(codecs, window), window=window)[0]
@@ -64,7 +64,7 @@ def test_widened_layer_reads_both_segments(tiny_model):
     cfg = tiny_model.cfg
     d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
-    session = DecodeSession(tiny_model, plan="int4")
+    session = DecodeSession(tiny_model, plan="int4", backend="torch")  # exact, as the teacher-forced hook
     session.prefill(ids[:, :12])
     assert session.widen_layer(1, "test")
     steps = [session.decode(ids[:, t])[0] for t in range(12, 20)]

@@ -1,0 +1,110 @@
+"""`mlaquant bench decode --batch 1,16`: one decode-attention call (`ops.mla_decode`, DeepSeek-V2-Lite
+attention shapes H 16, d_c 512, d_r 64) per batch × context × codec × path ("reference" = backend torch,
+"fast" = backend cpu), against the machine's bound measured in the same run.
+
+Every sequence of a batch holds `context` random latent rows on shuffled 64-token pages. Rows: median
+ms per call, fast / reference of the same codec, fast / fast of the first codec (the base, fp16), and the
+bound: max(cache bytes / bandwidth, FLOPs / peak) with the bandwidth from a large-copy probe, the peak
+from an FP32 GEMM probe (float scores, P·V of float and grouped caches) and an int8 `torch._int_mm` probe
+(integer scores, the two-digit P·V of row-wise integer caches).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from mlaquant.codecs import LayerCodec
+from mlaquant.ops import mla_decode
+
+HEADS, D_C, D_R, PAGE = 16, 512, 64, 64
+PATHS = {"reference": "torch", "fast": "cpu"}
+
+
+def _median(fn, n: int) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def machine_probes(repeats: int = 5) -> dict:
+    """Bandwidth (bytes/s, a 256 MiB copy: read + write), FP32 and int8 GEMM peaks (FLOP/s, ops/s)."""
+    src = torch.ones(64 * 2**20)
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / _median(lambda: dst.copy_(src), repeats)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    fp32 = 2 * 1024**3 / _median(lambda: a @ b, repeats)
+    a8 = torch.randint(-127, 128, (1024, 1024), dtype=torch.int8)
+    int8 = 2 * 1024**3 / _median(lambda: torch._int_mm(a8, a8), repeats)
+    return {"bandwidth_Bps": bw, "fp32_flops": fp32, "int8_ops": int8}
+
+
+def step_bound(codec: LayerCodec, batch: int, context: int, probes: dict) -> float:
+    """Seconds one call cannot beat: max(cache bytes / bandwidth, score and P·V FLOPs / their peaks)."""
+    tokens = batch * context
+    integer = codec.ckv.spec.kind in ("int8", "int4")
+    score_peak = probes["int8_ops"] if integer else probes["fp32_flops"]
+    flops = 2 * tokens * HEADS * D_C / score_peak + 2 * tokens * HEADS * D_R / probes["fp32_flops"]
+    if integer and codec.ckv.layout.n_groups == 1:  # P·V on the codes: two int8 digits per probability
+        flops += 2 * 2 * tokens * HEADS * D_C / probes["int8_ops"]
+    else:
+        flops += 2 * tokens * HEADS * D_C / probes["fp32_flops"]
+    return max(tokens * codec.row_bytes / probes["bandwidth_Bps"], flops)
+
+
+def _problem(codec: LayerCodec, batch: int, context: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    pages = batch * -(-context // PAGE)
+    pool = codec.encode(torch.randn(pages * PAGE, D_C + D_R, generator=g)).view(pages, PAGE, codec.row_bytes)
+    table = torch.randperm(pages, generator=g).view(batch, -1).int()
+    q = torch.randn(batch, HEADS, D_C + D_R, generator=g) * D_C**-0.5
+    return q, pool, table, torch.full((batch,), context, dtype=torch.int32)
+
+
+def bench_attention(batches: list[int], contexts: list[int], codecs: list[str], steps: int) -> list[dict]:
+    """One dict per (batch, context, codec, path): ms, ratios, bound (see the module docstring)."""
+    probes = machine_probes()
+    print(
+        f"-- probes: {probes['bandwidth_Bps'] / 1e9:.1f} GB/s copy, {probes['fp32_flops'] / 1e9:.0f} GFLOP/s FP32, "
+        f"{probes['int8_ops'] / 1e9:.0f} GOP/s int8",
+        flush=True,
+    )
+    results = []
+    for batch in batches:
+        for context in contexts:
+            rows = []
+            for name in codecs:
+                codec = LayerCodec.from_names(*(name.split("/") if "/" in name else (name, name)), D_C, D_R)
+                q, pool, table, lens = _problem(codec, batch, context, seed=context)
+                bound = step_bound(codec, batch, context, probes)
+                for path, backend in PATHS.items():
+                    args = (q, pool, table, lens, codec, D_C, D_C**-0.5, backend)
+                    sec = _median(lambda args=args: mla_decode(*args), steps)
+                    rows.append({"batch": batch, "context": context, "codec": name, "path": path, "s": sec,
+                                 "bound_s": bound})
+            by = {(r["codec"], r["path"]): r["s"] for r in rows}
+            for r in rows:
+                r["vs_reference"] = r["s"] / by[(r["codec"], "reference")]
+                r["vs_base_fast"] = r["s"] / by[(codecs[0], "fast")]
+                r["vs_bound"] = r["s"] / r["bound_s"]
+                print(format_row(r), flush=True)
+            results += rows
+    return results
+
+
+def format_header() -> str:
+    cols = ["batch", "context", "codec", "path", "ms/call", "/ reference", "/ fast base", "bound ms", "/ bound"]
+    return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
+
+
+def format_row(r: dict) -> str:
+    cells = [str(r["batch"]), str(r["context"]), r["codec"], r["path"], f"{r['s'] * 1e3:.2f}",
+             f"{r['vs_reference']:.2f}", f"{r['vs_base_fast']:.2f}", f"{r['bound_s'] * 1e3:.2f}",
+             f"{r['vs_bound']:.1f}"]
+    return "| " + " | ".join(cells) + " |"

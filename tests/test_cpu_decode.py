@@ -1,0 +1,139 @@
+"""The fast CPU decode path (`backend="cpu"`, what "auto" takes on CPU) against the FP32 reference on the
+same quantized cache: within `error_bound` (ragged batch, NaN-filled free slots and blocks, permuted block
+tables, several blocks per sequence); exact arithmetic once the query quantization is taken out; W8A8
+projections through INT32 GEMMs bit-identical to the FP64 emulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlaquant import DecodeSession, ops
+from mlaquant.codecs import LayerCodec
+from mlaquant.cpu_decode import error_bound, mla_decode_cpu
+from mlaquant.errors import BackendError
+from mlaquant.int8_proj import grouped_int8_matmul, quantize_grouped
+from mlaquant.ops import mla_decode, mla_decode_reference, resolve_backend
+from mlaquant.session import generate
+from tests.reference import effective_query
+
+D_C, D_R, H, PAGE = 64, 16, 4, 16
+SCALE = 0.17
+CODECS = [
+    ("fp16", "fp16"),
+    ("fp32", "bf16"),
+    ("int8-g32", "fp16"),
+    ("int8-row", "int8-row"),
+    ("int4-g32", "int8-row"),
+    ("int4-g16-asym", "int4-row-asym"),
+    ("int8-g16-asym", "int8-g16"),
+    ("fp8", "fp8-g16"),
+    ("int4-row", "int4-row"),
+    ("int8-row-asym", "int4-g16"),
+    ("int4-row-asym", "fp16"),
+]
+LENS = [37, 1, 0, 70, 16]
+
+
+def _cache(codec: LayerCodec, lens: list[int], seed: int = 0):
+    """Rows per sequence, and a pool holding them on permuted pages among NaN-filled spare pages (0xFF bytes
+    decode to NaN in every codec), free slots NaN, unused table entries pointing at a NaN page or −1."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randn(n, D_C + D_R, generator=g) * (1 + 3 * torch.rand(D_C + D_R, generator=g)) for n in lens]
+    need = [-(-n // PAGE) for n in lens]
+    n_pages = sum(need) + 4
+    pool = torch.full((n_pages, PAGE, codec.row_bytes), 0xFF, dtype=torch.uint8)
+    ids = torch.randperm(n_pages, generator=g).tolist()
+    spare = ids[sum(need)]
+    table = torch.full((len(lens), max(need) + 2), spare, dtype=torch.int32)
+    for b, r in enumerate(rows):
+        mine, ids = ids[: need[b]], ids[need[b] :]
+        flat = pool[mine].view(-1, codec.row_bytes)
+        flat[: len(r)] = codec.encode(r)
+        pool[mine] = flat.view(-1, PAGE, codec.row_bytes)
+        table[b, : need[b]] = torch.tensor(mine, dtype=torch.int32)
+        if b % 2:
+            table[b, need[b] :] = -1
+    q = torch.randn(len(lens), H, D_C + D_R, generator=g)
+    decoded = [codec.decode(codec.encode(r)) for r in rows]
+    return q, pool, table, torch.tensor(lens, dtype=torch.int32), decoded, [_row_scales(codec, r) for r in rows]
+
+
+def _row_scales(codec: LayerCodec, rows: torch.Tensor) -> torch.Tensor | None:
+    """The stored FP16 scale of each row's c_kv part, fp32 [T] (None unless the part is integer row-wise)."""
+    lay = codec.ckv.layout
+    if codec.ckv.spec.kind not in ("int8", "int4") or lay.n_groups != 1:
+        return None
+    return codec.ckv.encode(rows[:, :D_C])[:, lay.scale_offset : lay.scale_offset + 2].contiguous().view(
+        torch.float16).float().flatten()
+
+
+@pytest.mark.parametrize("names", CODECS, ids=lambda n: "/".join(n))
+@pytest.mark.parametrize("block_tokens", [16, 1024])
+def test_fast_path_within_stated_bound_of_reference(names, block_tokens):
+    codec = LayerCodec.from_names(*names, D_C, D_R)
+    q, pool, table, lens, decoded, scales = _cache(codec, LENS)
+    out, lse = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=block_tokens)
+    ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    d_lse, d_out = error_bound(q, decoded, codec, D_C, SCALE, scales)
+    assert torch.isfinite(out).all()
+    empty = lens == 0
+    assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
+    assert ((lse - ref_lse)[~empty].abs() <= d_lse[~empty]).all()
+    assert ((out - ref_out).abs() <= d_out).all()
+    integer = any(rc.spec.kind in ("int8", "int4") for rc in (codec.ckv, codec.kpe))
+    if integer:  # the bound is not vacuous: the query quantization is its main term
+        assert (out - ref_out).abs().max() > 1e-6
+    # without the query quantization, the scores are exact up to FP32 rounding (the INT32 dots are exact)
+    # and the output moves only by FP32 rounding and, for row-wise integer c_kv, the P·V digit term
+    q_eff = effective_query(q, codec, fp16_query=False)
+    ref_out, ref_lse = mla_decode_reference(q_eff, pool, table, lens, codec, D_C, SCALE)
+    torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
+    _, d_exact = error_bound(q_eff, decoded, codec, D_C, SCALE, scales, quantized_query=False)
+    assert ((out - ref_out).abs() <= d_exact + 2e-5).all()
+    if scales[0] is not None:  # the digit term is not vacuous: a single int8 digit would break it
+        assert (out - ref_out).abs().max() > 1e-6
+
+
+def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_reference(monkeypatch):
+    assert resolve_backend("auto", "cpu") == "cpu"
+    assert resolve_backend("cpu", "cpu") == "cpu"
+    with pytest.raises(BackendError, match="CPU tensors only"):
+        resolve_backend("cpu", "cuda")
+    codec = LayerCodec.from_names("int8", "fp16", D_C, D_R)
+    q, pool, table, lens, _, _ = _cache(codec, [20, 33])
+    fast = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE)
+    ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    assert not torch.equal(fast[0], ref[0])
+    for backend, want in (("cpu", fast), ("torch", ref), ("auto", ref)):  # 33 tokens < CPU_FAST_MIN_CONTEXT
+        for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend=backend), want):
+            assert torch.equal(a, b), backend
+    monkeypatch.setattr(ops, "CPU_FAST_MIN_CONTEXT", 33)  # the longest context reaches it: auto goes fast
+    for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 128, 512), (5, 1, 2048, 64), (3, 4, 7, 3)])
+def test_int8_projections_int32_gemm_bit_identical_to_fp64_emulation(shape):
+    m, g, k, n = shape
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(m, g, k, generator=gen) * torch.logspace(-2, 1, k)
+    w8, ws = quantize_grouped(torch.randn(g, n, k, generator=gen))
+    emulated = grouped_int8_matmul(x, w8, ws, backend="torch")
+    assert torch.equal(grouped_int8_matmul(x, w8, ws, backend="cpu"), emulated)
+    assert torch.equal(grouped_int8_matmul(x, w8, ws), emulated)  # auto on CPU
+
+
+@pytest.mark.parametrize("plan", ["int8", "int4-g32-asym/int8-row+i8mm"])
+def test_session_on_fast_path_close_to_reference_and_greedy_equal(tiny_model, plan):
+    ids = torch.randint(0, tiny_model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    fast, ref = DecodeSession(tiny_model, plan=plan), DecodeSession(tiny_model, plan=plan, backend="torch")
+    assert fast.backend == "cpu" and ref.backend == "torch"
+    fast.prefill(ids[:, :4])
+    ref.prefill(ids[:, :4])
+    for t in range(4, ids.shape[1]):
+        a, b = fast.decode(ids[:, t]), ref.decode(ids[:, t])
+        assert (a - b).abs().max() < 0.05 * b.abs().max()
+    prompt = ids[0, :5].tolist()
+    greedy = generate(tiny_model, prompt, 6, plan=plan)[0]
+    assert greedy == generate(tiny_model, prompt, 6, plan=plan, backend="torch")[0]
