@@ -16,6 +16,16 @@ import sys
 
 from mlaquant.errors import MLAQuantError
 
+# subcommand -> the settings to lower when it runs out of GPU memory
+OOM_SETTINGS = {
+    "generate": "--max-new-tokens or the prompt length",
+    "bench": "--contexts / --batches",
+    "train": "batch_size in the train config",
+    "calibrate": "--batch-size (or --seq-len), or use --stream",
+    "sweep": "--samples / --seq-len (batch_size in the sweep config)",
+    "export": "--samples / --seq-len",
+}
+
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
     "generate": ("mlaquant.generate_cli", "greedy/sampled completion with the latent-cache decoder"),
@@ -41,6 +51,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def oom_message(command: str, error: Exception) -> str:
+    """One line for a device out-of-memory error: what ran out and the setting to lower."""
+    first = str(error).splitlines()[0] if str(error) else "out of memory"
+    return f"device out of memory ({first[:120]}); lower {OOM_SETTINGS.get(command, 'the batch size')}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
@@ -48,8 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    import torch
+
     try:
         return int(args._run(args) or 0)
+    except torch.OutOfMemoryError as e:
+        if args.debug:
+            raise
+        print(f"mlaquant {args.command}: error: {oom_message(args.command, e)}", file=sys.stderr)
+        return 2
     except (MLAQuantError, FileNotFoundError, ValueError) as e:
         if args.debug:
             raise

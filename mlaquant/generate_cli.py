@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from mlaquant.device import add_device_arguments
+from mlaquant.device import from_args as device_from_args
 from mlaquant.errors import MLAQuantError
 
 
@@ -23,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="runtime guard YAML (default: configs/guard.yaml); it acts on calibrated plans only",
     )
     p.add_argument("--no-guard", action="store_true", help="decode without the runtime guard")
+    add_device_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from mlaquant.loader import load_model
     from mlaquant.session import generate
 
-    model = load_model(args.model)
+    model = load_model(args.model, *device_from_args(args))
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json, cannot encode --prompt text")
     prompt = model.tokenizer.encode(args.prompt).ids
