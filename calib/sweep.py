@@ -564,9 +564,10 @@ def run(args: argparse.Namespace) -> int:
         raise MLAQuantError(f"--codecs: {e}") from e
     if args.plan is not None and not args.plan:
         raise MLAQuantError("--plan: empty plan list (give one or more plan directories)")
+    device, dtype = device_from_args(args)  # before anything is written
     out = Path(args.out)
     check_output_dir(out)
-    model = load_model(args.model, *device_from_args(args))
+    model = load_model(args.model, device, dtype)
     report = sweep(model, cfg, out, args.data, args.plan, quiet=args.quiet)
     print(report_mod.markdown(report).split("\n## Notes")[0])
     print(f"\nreport written to {out}/report.md (+ report.json, sweep.png, memory.png)")
