@@ -4,7 +4,8 @@
                             attention shapes (random weights): ours (absorbed, paged latent cache, FP16 /
                             INT8 / INT4) against transformers' DeepseekV2 (re-expands K/V every step)
     mlaquant bench kernels  the Triton kernels on a CUDA device (see mlaquant.kernels.bench)
-    mlaquant bench gpu      the GPU acceptance run → report.md + report.json (see mlaquant.bench_gpu)
+    mlaquant bench gpu      the GPU acceptance run → report.md + report.json (mlaquant.calib.bench_gpu,
+                            registered by mlaquant.cli: it runs calibration, which sits above this layer)
     mlaquant bench memory   cache bytes per token per layer: FP16 latent vs the per-head K/V of MHA
                             with the same heads, for DeepSeek-V3, V2-Lite and the bundled model
 
@@ -50,7 +51,8 @@ V2_LITE_ATTENTION = dict(
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    """The `bench` subcommands; returns their subparsers action (`mlaquant.cli` adds `bench gpu` to it)."""
     sub = p.add_subparsers(dest="bench", metavar="WHAT", required=True)
     d = sub.add_parser("decode", help="decode step time: ours vs transformers (CPU ok)")
     d.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths")
@@ -67,16 +69,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_arguments(d)
     m = sub.add_parser("memory", help="FP16 latent vs per-head K/V cache bytes per token per layer")
     m.add_argument("--model", default=None, help="also a checkpoint directory (default: the bundled model)")
-    g = sub.add_parser("gpu", help="GPU acceptance run: CUDA tests, kernels, calibrate, stream, decode → report")
-    from mlaquant import bench_gpu
-
-    bench_gpu.add_arguments(g)
-    g.set_defaults(_gpu=bench_gpu.run)
     k = sub.add_parser("kernels", help="Triton kernel benchmark (needs CUDA)")
     from mlaquant.kernels import bench as kernel_bench
 
     kernel_bench.add_arguments(k)
     k.set_defaults(_kernels=kernel_bench.run)
+    return sub
 
 
 def _median_steps(steps: dict, n: int) -> dict:
@@ -248,8 +246,6 @@ def memory_table(model_path: str | None) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.bench == "kernels":
         return args._kernels(args)
-    if args.bench == "gpu":
-        return args._gpu(args)
     if args.bench == "memory":
         print(memory_table(args.model))
         return 0

@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 The CLI is the entry above every layer, so its table of module names (strings, imported only when
-that subcommand runs) names `mlaquant.calib.calibrate` and `mlaquant.calib.sweep`: the one reference
+that subcommand runs) names `mlaquant.calib.calibrate`, `mlaquant.calib.sweep` and (nested under
+`bench`, `NESTED`) `mlaquant.calib.bench_gpu`: the one reference
 from `mlaquant/` up into `calib/` (tests/test_layering.py checks that no import statement makes one).
 Errors that users can fix (bad paths, bad configs, mismatched plans) are `MLAQuantError`s and print
 as one line with exit code 2; `--debug` shows the traceback instead.
@@ -15,6 +16,9 @@ import importlib
 import sys
 
 from mlaquant.errors import MLAQuantError
+
+# subcommand -> its own subcommands that live above it (mlaquant.calib), named here as strings too
+NESTED = {"bench": {"gpu": ("mlaquant.calib.bench_gpu", "GPU acceptance run: tests, kernels, calibrate, decode")}}
 
 # subcommand -> the settings to lower when it runs out of GPU memory
 OOM_SETTINGS = {
@@ -46,8 +50,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         if name == wanted:
             mod = importlib.import_module(module)
-            mod.add_arguments(p)
+            nested = mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
+            for sub_name, (sub_module, sub_help) in NESTED.get(name, {}).items():
+                inner = importlib.import_module(sub_module)
+                sp = nested.add_parser(sub_name, help=sub_help)
+                inner.add_arguments(sp)
+                sp.set_defaults(_run=inner.run)
     return parser
 
 
