@@ -24,8 +24,8 @@ from mlaquant.model import hadamard_signs, rope_frequencies
 from mlaquant.plan import LayerPlan, Plan
 from mlaquant.samples import token_samples
 
-# BF16 weights against FP32 weights, bundled model, 4 × 128 test-split tokens (measured: max |Δlogit| 0.59 on
-# logits up to 20, mean KL 2.8e-4, top-1 98 % on random tokens): the tolerance stated in the README.
+# BF16 weights against FP32 weights, bundled model, 4 × 128 test-split tokens (measured: max |Δlogit| 0.19 on
+# logits up to 15, mean KL 1.1e-4, top-1 98.8 %): the tolerance stated in the README, with margin.
 BF16_MAX_LOGIT_DIFF = 1.0
 BF16_MAX_KL = 2e-3
 BF16_MIN_TOP1 = 0.95
