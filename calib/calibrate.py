@@ -38,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import resource
 import sys
 import time
 from pathlib import Path
@@ -50,6 +49,9 @@ from mlaquant.calib.data import split_path
 from mlaquant.calib.observers import LatentStats, observe, observe_streamed
 from mlaquant.codecs import LayerCodec
 from mlaquant.config import ConfigError, load_config, to_dict
+from mlaquant.device import add_device_arguments, auto_batch_size, peak_memory, place
+from mlaquant.device import from_args as device_from_args
+from mlaquant.device import settings as device_settings
 from mlaquant.errors import MLAQuantError
 from mlaquant.eval import EvalResult, Evaluator
 from mlaquant.int8_proj import with_int8_projections
@@ -72,7 +74,8 @@ class CalibrateConfig:
     budget: float = 0.01
     headroom: float = 0.8
     seed: int = 0
-    batch_size: int = 8
+    # samples per forward batch; None: from free GPU memory on CUDA (`calibration_batch_size`), 8 elsewhere
+    batch_size: int | None = None
     percentile: float = 0.999
     try_clip: bool = True
     try_rotation: bool = True
@@ -100,6 +103,8 @@ class CalibrateConfig:
             )
         if self.seq_len < 2 or not 0 < self.headroom <= 1 or not 0.5 < self.percentile <= 1:
             raise ConfigError("calibrate: need seq_len ≥ 2, 0 < headroom ≤ 1, 0.5 < percentile ≤ 1")
+        if self.batch_size is not None and self.batch_size <= 0:
+            raise ConfigError(f"calibrate: batch_size must be > 0 or null (auto), got {self.batch_size}")
         if "fp16/fp16" not in self.candidates:
             raise ConfigError("calibrate: candidates must include 'fp16/fp16' (the fallback of last resort)")
 
@@ -504,7 +509,7 @@ def build_report(
         )
         report["test"] = verify(model, evaluator_class(model)(model, test, cfg.batch_size), plan).as_dict()
     report["seconds"] = round(time.perf_counter() - t0, 1)
-    report["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    report |= peak_memory(model.device)
     plan.fallbacks = v.fallbacks
     plan.metrics = {k: report[k] for k in ("validation", "test") if k in report} | {
         "bytes_per_token_per_layer": plan.bytes_per_token(d_c, d_r) / len(model.layers),
@@ -520,6 +525,8 @@ def build_report(
         "test_data": str(sources.test),
         "calibration_tokens": int(cal.numel()),
         "validation_tokens": int(val.numel()),
+        # where it ran: recorded, not part of the fingerprint (a plan fits any device and dtype)
+        **device_settings(model.device, model.dtype),
     }
     return plan, report
 
@@ -531,11 +538,20 @@ def calibrate(
     val_data: str | Path | None = None,
     test_data: str | Path | None = None,
     quiet: bool = False,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[Plan, dict]:
     """Run the whole pipeline (observe → measure → search → fallback → narrow → int8 → report); returns
-    the plan and a report dict (timings, per-split metrics)."""
+    the plan and a report dict (timings, per-split metrics, peak RSS and peak GPU memory).
+
+    device / dtype (`mlaquant.device`), when given, move / cast the model first (in place); the pipeline
+    runs where the model is, weights in its dtype, latent statistics and losses in FP32."""
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json; calibration needs text → tokens")
+    model = place(model, device, dtype)
+    cfg = dataclasses.replace(cfg, batch_size=calibration_batch_size(model, cfg))
+    if model.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(model.device)
     t0 = time.perf_counter()
     if isinstance(model, StreamedModel) and cfg.int8_matmul:
         raise MLAQuantError("calibrate: int8_matmul is not supported with --stream (load the model whole)")
@@ -547,6 +563,23 @@ def calibrate(
     verified = fall_back(model, measured, search(measured.table, cfg.headroom * cfg.budget), cfg)
     verified = int8_projections(model, measured, narrow(model, measured, verified, cfg), cfg)
     return build_report(model, cfg, sources, (cal, val), measured, verified, t0)
+
+
+def sample_bytes(model: MLAModel | StreamedModel, seq_len: int) -> int:
+    """Working memory one calibration sample of `seq_len` tokens needs on the device (upper estimate):
+    FP32 scores and probabilities [H, T, T], expanded FP32 K/V, FP32 logits / log-probs, and every layer's
+    input hidden state kept by the evaluator's reference (weights' dtype)."""
+    c, T = model.cfg, seq_len
+    h = c.num_attention_heads
+    attention = 2 * h * T * T * 4 + 2 * T * h * (c.qk_head_dim + c.v_head_dim) * 4
+    logits = 3 * T * c.vocab_size * 4
+    hidden = T * c.hidden_size * torch.empty(0, dtype=model.dtype, device="meta").element_size()
+    return attention + logits + hidden * (len(model.layers) + 4)
+
+
+def calibration_batch_size(model: MLAModel | StreamedModel, cfg: CalibrateConfig) -> int:
+    """`cfg.batch_size` when given; else as many samples as fit half the free GPU memory, 8 off CUDA."""
+    return auto_batch_size(model.device, sample_bytes(model, cfg.seq_len), cfg.batch_size, default=8)
 
 
 def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
@@ -574,6 +607,8 @@ def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
     out += (
         f"\nbudget {plan.budget:.2%}; {plan.bits_per_value(d_c, d_r):.2f} bits/value; "
         f"{len(plan.fallbacks)} fallback(s); {report['seconds']} s, peak RSS {report['peak_rss_mib']} MiB"
+        + (f", peak GPU {report['peak_gpu_mib']} MiB" if "peak_gpu_mib" in report else "")
+        + f" ({plan.settings.get('device')}, {plan.settings.get('dtype')} weights)"
     )
     return out
 
@@ -601,6 +636,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="load one decoder layer at a time (peak memory ≈ one layer + activations; same plan)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout (the table goes to stderr)")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per batch (default: from free memory)")
+    add_device_arguments(p)
 
 
 def json_summary(plan: Plan, model: MLAModel | StreamedModel, report: dict, out: Path) -> dict:
@@ -640,11 +677,13 @@ def run(args: argparse.Namespace) -> int:
             "budget": args.budget,
             "seed": args.seed,
             "int8_matmul": args.int8_matmul,
+            "batch_size": args.batch_size,
         }.items()
         if v is not None
     }
     cfg = load_config(CalibrateConfig, {**to_dict(base), **overrides}, "calibrate.yaml")
-    model = StreamedModel(args.model) if args.stream else load_model(args.model)
+    device, dtype = device_from_args(args)
+    model = StreamedModel(args.model, dtype, device=device) if args.stream else load_model(args.model, device, dtype)
     plan, report = calibrate(model, cfg, args.data, args.val_data, args.test_data, quiet=args.quiet)
     out = plan.save(args.out)
     human = sys.stderr if args.json else sys.stdout

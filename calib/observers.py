@@ -21,7 +21,8 @@ from mlaquant.stream import StreamedModel
 
 @dataclass
 class LatentStats:
-    """Statistics of one layer's latent rows (float32, [d_c + d_r] per channel)."""
+    """Statistics of one layer's latent rows (float32, [d_c + d_r] per channel), kept on the CPU whatever
+    device the model runs on (they are small, and plans are device-independent)."""
 
     min: torch.Tensor
     max: torch.Tensor
@@ -52,13 +53,13 @@ class LatentObserver:
         flat = rows.reshape(-1, rows.shape[-1]).float()
         if not torch.isfinite(flat).all():
             raise MLAQuantError(f"layer {layer}: latent rows contain NaN/Inf during calibration")
-        lo, hi = flat.min(0).values, flat.max(0).values
+        lo, hi = flat.min(0).values.cpu(), flat.max(0).values.cpu()
         s = self.stats[layer]
         if s is None:
             s = self.stats[layer] = LatentStats(lo, hi)
         else:
             s.min, s.max = torch.minimum(s.min, lo), torch.maximum(s.max, hi)
-        s.rows.append(flat[(-s.count) % self.every :: self.every].clone())
+        s.rows.append(flat[(-s.count) % self.every :: self.every].to("cpu", copy=True))
         s.count += flat.shape[0]
         return rows
 
@@ -68,7 +69,7 @@ def observe(model: MLAModel, samples: torch.Tensor, batch_size: int = 8, max_row
     every = max(1, samples.numel() // max_rows)
     observer = LatentObserver(len(model.layers), every)
     for ids in samples.split(batch_size):
-        model(ids, observer)
+        model(ids.to(model.device), observer)
         if progress is not None:
             progress.update(1)
     return observer.stats

@@ -44,6 +44,8 @@ from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.data import split_path
 from mlaquant.codecs import CodecError
 from mlaquant.config import ConfigError, load_config, to_dict
+from mlaquant.device import add_device_arguments
+from mlaquant.device import from_args as device_from_args
 from mlaquant.errors import MLAQuantError, PlanError
 from mlaquant.eval import Evaluator
 from mlaquant.model import MLAModel
@@ -284,6 +286,7 @@ class SweepRun:
                 self.d_r,
                 cfg.peer_group_size,
                 cfg.peer_residual_length,
+                self.model.device,
             )
         return self._hf.measure(
             spec, self.evaluator, self.prompt, cfg.decode_steps, cfg.decode_threads, cfg.peer_batch_size
@@ -540,6 +543,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per test sample (default 512)")
     p.add_argument("--config", default=None, help="sweep YAML (default: configs/sweep.yaml)")
     p.add_argument("--out", default="sweep", help="output directory (default: ./sweep)")
+    add_device_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -559,9 +563,10 @@ def run(args: argparse.Namespace) -> int:
         raise MLAQuantError(f"--codecs: {e}") from e
     if args.plan is not None and not args.plan:
         raise MLAQuantError("--plan: empty plan list (give one or more plan directories)")
+    device, dtype = device_from_args(args)  # before anything is written
     out = Path(args.out)
     check_output_dir(out)
-    model = load_model(args.model)
+    model = load_model(args.model, device, dtype)
     report = sweep(model, cfg, out, args.data, args.plan, quiet=args.quiet)
     print(report_mod.markdown(report).split("\n## Notes")[0])
     print(f"\nreport written to {out}/report.md (+ report.json, sweep.png, memory.png)")

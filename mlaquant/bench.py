@@ -4,6 +4,8 @@
                             attention shapes (random weights): ours (absorbed, paged latent cache, FP16 /
                             INT8 / INT4) against transformers' DeepseekV2 (re-expands K/V every step)
     mlaquant bench kernels  the Triton kernels on a CUDA device (see mlaquant.kernels.bench)
+    mlaquant bench gpu      the GPU acceptance run → report.md + report.json (mlaquant.calib.bench_gpu,
+                            registered by mlaquant.cli: it runs calibration, which sits above this layer)
     mlaquant bench memory   cache bytes per token per layer: FP16 latent vs the per-head K/V of MHA
                             with the same heads, for DeepSeek-V3, V2-Lite and the bundled model
 
@@ -28,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from mlaquant.device import add_device_arguments
+from mlaquant.device import from_args as device_from_args
 from mlaquant.errors import MLAQuantError
 
 V2_LITE_ATTENTION = dict(
@@ -47,7 +51,8 @@ V2_LITE_ATTENTION = dict(
 )
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    """The `bench` subcommands; returns their subparsers action (`mlaquant.cli` adds `bench gpu` to it)."""
     sub = p.add_subparsers(dest="bench", metavar="WHAT", required=True)
     d = sub.add_parser("decode", help="decode step time: ours vs transformers (CPU ok)")
     d.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths")
@@ -67,6 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(reference / fast) against the machine bound instead of whole steps (mlaquant.bench_attention)",
     )
     d.add_argument("--out", default=None, help="also write the table as JSON here")
+    add_device_arguments(d)
     m = sub.add_parser("memory", help="FP16 latent vs per-head K/V cache bytes per token per layer")
     m.add_argument("--model", default=None, help="also a checkpoint directory (default: the bundled model)")
     k = sub.add_parser("kernels", help="Triton kernel benchmark (needs CUDA)")
@@ -74,6 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     kernel_bench.add_arguments(k)
     k.set_defaults(_kernels=kernel_bench.run)
+    return sub
 
 
 def _median_steps(steps: dict, n: int) -> dict:
@@ -95,17 +102,17 @@ def _ours_step(model, rows: list[torch.Tensor], codec: str):
     from mlaquant.session import DecodeSession
 
     session = DecodeSession(model, plan=codec, backend="torch")
-    session.cache = LatentCache(session.codecs, 1, session.runtime.block_size)
+    session.cache = LatentCache(session.codecs, 1, session.runtime.block_size, model.device)
     for layer, r in enumerate(rows):
         session.cache.write(layer, 0, r)
     session.lengths = [rows[0].shape[0]]
-    token = torch.tensor([1])
+    token = torch.tensor([1], device=model.device)
     return lambda: session.decode(token)
 
 
-def _mlps_step(mlps: list, hidden: int):
-    """One token [1, 1, hidden] through every layer's MLP in turn."""
-    x = torch.randn(1, 1, hidden, generator=torch.Generator().manual_seed(0))
+def _mlps_step(mlps: list, hidden: int, weight: torch.Tensor):
+    """One token [1, 1, hidden] (on `weight`'s device, in its dtype) through every layer's MLP in turn."""
+    x = torch.randn(1, 1, hidden, generator=torch.Generator(device="cpu").manual_seed(0), device="cpu").to(weight)
 
     def step() -> None:
         with torch.no_grad():
@@ -120,8 +127,8 @@ def _weights_step(model):
     model such as the benchmark's), as matrix-vector products."""
     weights = [m.weight for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     weights.append(model.lm_head.weight)
-    g = torch.Generator().manual_seed(0)
-    inputs = {w.shape[1]: torch.randn(1, w.shape[1], generator=g) for w in weights}
+    g = torch.Generator(device="cpu").manual_seed(0)
+    inputs = {w.shape[1]: torch.randn(1, w.shape[1], generator=g, device="cpu").to(w) for w in weights}
 
     def step() -> None:
         with torch.no_grad():
@@ -138,18 +145,25 @@ def _transformers_step(hf, rows: list[torch.Tensor], d_c: int):
     for layer, r in enumerate(rows):
         cache.update(r[None, None, :, :d_c].clone(), r[None, None, :, d_c:].clone(), layer)
     length = [rows[0].shape[0]]
+    device = hf.device
 
     def step() -> None:
-        pos = torch.tensor([[length[0]]])
+        pos = torch.tensor([[length[0]]], device=device)
         with torch.no_grad():
-            hf(torch.tensor([[1]]), cache=cache, position_ids=pos, use_cache=True)
+            hf(torch.tensor([[1]], device=device), cache=cache, position_ids=pos, use_cache=True)
         length[0] += 1
 
     return step
 
 
 def bench_decode(
-    contexts: list[int], layers: int, steps: int, codecs: list[str], intermediate_size: int | None = None
+    contexts: list[int],
+    layers: int,
+    steps: int,
+    codecs: list[str],
+    intermediate_size: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str = "auto",
 ) -> list[dict]:
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
@@ -160,17 +174,19 @@ def bench_decode(
     hf = DeepseekV2ForCausalLM(DeepseekV2Config(num_hidden_layers=layers, **shapes)).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
-        ours = load_model(tmp)
+        ours = load_model(tmp, device, dtype)
+    hf = hf.to(device=ours.device, dtype=ours.dtype)
     d_c, hidden = V2_LITE_ATTENTION["kv_lora_rank"], V2_LITE_ATTENTION["hidden_size"]
     parts = {
-        "transformers_mlp_s": _mlps_step([layer.mlp for layer in hf.model.layers], hidden),
-        "ours_mlp_s": _mlps_step([layer.mlp for layer in ours.layers], hidden),
+        "transformers_mlp_s": _mlps_step([layer.mlp for layer in hf.model.layers], hidden, ours.lm_head.weight),
+        "ours_mlp_s": _mlps_step([layer.mlp for layer in ours.layers], hidden, ours.lm_head.weight),
         "ours_weights_s": _weights_step(ours),
     }
     results = []
     for ctx in contexts:
-        g = torch.Generator().manual_seed(ctx)
-        rows = [torch.randn(ctx, d_c + V2_LITE_ATTENTION["qk_rope_head_dim"], generator=g) for _ in range(layers)]
+        g = torch.Generator(device="cpu").manual_seed(ctx)
+        width = d_c + V2_LITE_ATTENTION["qk_rope_head_dim"]
+        rows = [torch.randn(ctx, width, generator=g, device="cpu").to(ours.device) for _ in range(layers)]
         steps_by_name = {"transformers_s": _transformers_step(hf, rows, d_c)}
         steps_by_name |= {f"{codec}_s": _ours_step(ours, rows, codec) for codec in codecs}
         row = {"context": ctx, **_median_steps(steps_by_name | parts, steps)}
@@ -244,14 +260,15 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise MLAQuantError(f"--contexts must be comma-separated integers, got {args.contexts!r}") from e
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    device, dtype = device_from_args(args)
     if args.batch:
         return _run_attention(args, contexts, codecs)
     print(
         f"decode step, DeepSeek-V2-Lite attention shapes, {args.layers} layers, dense MLP {args.intermediate_size}, "
-        f"batch 1, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        f"batch 1, {torch.get_num_threads()} threads, torch {torch.__version__}, {device}, {dtype} weights"
     )
     print(format_header(codecs))
-    results = bench_decode(contexts, args.layers, args.steps, codecs, args.intermediate_size)
+    results = bench_decode(contexts, args.layers, args.steps, codecs, args.intermediate_size, device, dtype)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

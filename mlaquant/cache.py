@@ -93,8 +93,8 @@ class Segment:
         sequence took a new block."""
         if self._table is None:
             width = max(1, max(len(t) for t in self.tables))
-            table = torch.tensor([t + [0] * (width - len(t)) for t in self.tables], dtype=torch.int32)
-            self._table = table.to(self.device)
+            rows = [t + [0] * (width - len(t)) for t in self.tables]
+            self._table = torch.tensor(rows, dtype=torch.int32, device=self.device)
         return self._table
 
     def seq_lens(self) -> torch.Tensor:

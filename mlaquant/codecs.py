@@ -305,8 +305,9 @@ class RowCodec(_LaidOut, ABC):
             lo = -hi if lo is None else lo
             hi = -lo if hi is None else hi
         else:
-            lo = torch.full((self.width,), -torch.inf) if lo is None else lo
-            hi = torch.full((self.width,), torch.inf) if hi is None else hi
+            where = (hi if lo is None else lo).device
+            lo = torch.full((self.width,), -torch.inf, device=where) if lo is None else lo
+            hi = torch.full((self.width,), torch.inf, device=where) if hi is None else hi
         lo, hi = lo.detach().float(), hi.detach().float()
         if torch.isnan(lo).any() or torch.isnan(hi).any() or (lo > hi).any():
             raise CodecError(f"codec {self.spec.name}: clip bounds contain NaN or clip_lo > clip_hi")
@@ -478,8 +479,9 @@ class Fp8Codec(RowCodec):
             fp8_scale = 1.0 if self.clip_lo is None else fp8_static_scale(self.clip_lo, self.clip_hi)
         if not (isinstance(fp8_scale, (int, float)) and math.isfinite(fp8_scale) and fp8_scale > 0):
             raise CodecError(f"codec fp8: static scale must be a finite float > 0, got {fp8_scale!r}")
-        self.fp8_scale = float(torch.tensor(fp8_scale, dtype=torch.float32))
-        bound = torch.full((self.width,), FP8_MAX * self.fp8_scale)
+        self.fp8_scale = float(torch.tensor(fp8_scale, dtype=torch.float32, device="cpu"))
+        # a codec's constants live on the CPU; `_clip` moves them to the rows' device
+        bound = torch.full((self.width,), FP8_MAX * self.fp8_scale, device="cpu")
         self.clip_lo, self.clip_hi = -bound, bound
 
     def _repr_extra(self) -> str:
@@ -633,7 +635,7 @@ def fp8_static_scale(lo: Tensor | None, hi: Tensor | None) -> float:
         raise CodecError(f"codec fp8: calibrated bounds are not finite (absmax {absmax})")
     if absmax == 0.0:
         return 1.0
-    return float(torch.tensor(absmax, dtype=torch.float32) / FP8_MAX)
+    return float(torch.tensor(absmax, dtype=torch.float32, device="cpu") / FP8_MAX)
 
 
 def bits_per_value(codec: LayerCodec | RowCodec) -> float:

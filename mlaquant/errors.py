@@ -15,3 +15,7 @@ class PlanError(MLAQuantError):
 
 class BackendError(MLAQuantError):
     """An explicitly requested compute backend that cannot run here."""
+
+
+class DeviceError(MLAQuantError):
+    """A --device / --dtype that cannot be used here, or a device that ran out of memory."""

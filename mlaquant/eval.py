@@ -102,7 +102,7 @@ class Evaluator:
             raise MLAQuantError(f"evaluation samples must be [N, T ≥ 2], got {list(samples.shape)}")
         self.model = model
         self.samples = samples
-        self.batches = list(samples.split(batch_size))
+        self.batches = [b.to(model.device) for b in samples.split(batch_size)]
         d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
         self.fp16 = [LayerCodec.from_names("fp16", "fp16", d_c, d_r) for _ in model.layers]
         self.tokens = samples.shape[0] * (samples.shape[1] - 1)

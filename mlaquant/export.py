@@ -59,6 +59,8 @@ from safetensors.torch import save_file
 
 from mlaquant.atomic import atomic_directory
 from mlaquant.codecs import LayerCodec, fp8_static_scale
+from mlaquant.device import add_device_arguments
+from mlaquant.device import from_args as device_from_args
 from mlaquant.errors import CheckpointError, MLAQuantError, PlanError
 from mlaquant.plan import Plan
 
@@ -293,7 +295,8 @@ def export(args: argparse.Namespace) -> dict:
     plan = Plan.load(plan_dir)
     model_dir = plan_model_dir(plan, plan_dir, args.model)
     _check_out(out, model_dir, plan_dir)
-    model = StreamedModel(model_dir)
+    device, dtype = device_from_args(args)
+    model = StreamedModel(model_dir, dtype, device=device)
     source_weight_map(model_dir)
     try:
         plan.check_model(model)
@@ -348,6 +351,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-data", default=None, help="text to measure on (default: the test data the plan recorded)")
     p.add_argument("--samples", type=int, default=None, help="test samples (default: the plan's)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the plan's)")
+    add_device_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+from mlaquant.device import add_device_arguments
+from mlaquant.device import from_args as device_from_args
 from mlaquant.errors import MLAQuantError
 
 
@@ -33,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-guard", action="store_true", help="decode without the runtime guard")
     p.add_argument("--ignore-eos", action="store_true", help="keep decoding past an end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print one JSON summary on stdout (human text to stderr)")
+    add_device_arguments(p)
 
 
 def json_summary(args: argparse.Namespace, model, prompt: list[int], new: list[int], seconds: float, guard) -> dict:
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from mlaquant.loader import load_model
     from mlaquant.session import generate
 
-    model = load_model(args.model)
+    model = load_model(args.model, *device_from_args(args))
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json, cannot encode --prompt text")
     prompt = model.tokenizer.encode(args.prompt).ids

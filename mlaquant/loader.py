@@ -107,10 +107,15 @@ def weight_files(path: Path) -> dict[str, Path]:
 
 
 class TensorReader:
-    """Reads named tensors from memory-mapped safetensors files, keeping each file open once."""
+    """Reads named tensors from memory-mapped safetensors files, keeping each file open once.
 
-    def __init__(self, files: dict[str, Path]) -> None:
+    FP8 block-scaled weights are moved to `device` (default CPU) and dequantized there; other tensors
+    come back as stored, on the CPU (memory-mapped), for the caller to cast and move.
+    """
+
+    def __init__(self, files: dict[str, Path], device: torch.device | str = "cpu") -> None:
         self.files = files
+        self.device = torch.device(device)
         self._open: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:
@@ -132,7 +137,7 @@ class TensorReader:
             t = handle.get_tensor(name)
             scale_name = name[: -len("weight")] + "weight_scale_inv"
             if t.dtype == torch.float8_e4m3fn and scale_name in self.files:
-                t = dequantize_fp8_blocks(t, self.get(scale_name))
+                t = dequantize_fp8_blocks(t.to(self.device), self.get(scale_name).to(self.device))
             return t
         except (SafetensorError, OSError, RuntimeError) as e:
             raise CheckpointError(f"{file}: cannot read tensor '{name}' ({e}); file truncated or corrupt?") from e
@@ -148,14 +153,14 @@ def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: int =
     return w.float() * s
 
 
-def _rope_permutation(d_r: int) -> torch.Tensor:
+def _rope_permutation(d_r: int, device: torch.device) -> torch.Tensor:
     """Interleaved pairs (x0,x1),(x2,x3).. → [x0,x2,..,x1,x3,..] so rotate-half RoPE applies."""
-    return torch.cat((torch.arange(0, d_r, 2), torch.arange(1, d_r, 2)))
+    return torch.cat((torch.arange(0, d_r, 2, device=device), torch.arange(1, d_r, 2, device=device)))
 
 
 def _deinterleave_rope(cfg: MLAConfig, name: str, t: torch.Tensor) -> torch.Tensor:
     """Permute the rope output rows of query and kv_a projections (weights and biases)."""
-    perm = _rope_permutation(cfg.qk_rope_head_dim)
+    perm = _rope_permutation(cfg.qk_rope_head_dim, t.device)
     if name.endswith(("q_proj.weight", "q_b_proj.weight")):
         rows = t.view(cfg.num_attention_heads, cfg.qk_head_dim, -1)
         rope = rows[:, cfg.qk_nope_head_dim :][:, perm]
@@ -202,9 +207,23 @@ def read_parameter(reader: TensorReader, cfg: MLAConfig, name: str, shape: tuple
     return _deinterleave_rope(cfg, name, t) if cfg.rope_interleave else t
 
 
-def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> MLAModel:
-    """Load a DeepSeek-V2/V3 checkpoint (a directory, a Hugging Face model id, None: the bundled model)
-    as an `MLAModel`."""
+def load_model(
+    path: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = "auto",
+) -> MLAModel:
+    """Load a DeepSeek-V2/V3 checkpoint (a directory, a Hugging Face model id, None: the bundled model) as an
+    `MLAModel`.
+
+    device: "auto" | "cpu" | "cuda" | "cuda:N" (`mlaquant.device.resolve_device`); dtype of the weights:
+    "auto" (bfloat16 on CUDA, float32 on CPU) | "float32" | "bfloat16" | "float16" or a torch.dtype. Each
+    tensor is read from the memory-mapped checkpoint, dequantized (FP8 blocks) on `device` and cast there,
+    so host memory holds one tensor at a time. The latent, scores and logits stay FP32 (`mlaquant.model`).
+    """
+    from mlaquant.device import resolve_device, resolve_dtype
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     bundled = path is None
     path = resolve_model_path(path)
     if bundled and not (path / "config.json").is_file():
@@ -212,7 +231,7 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype = torch.float3
     if not path.is_dir():
         raise CheckpointError(f"{path}: model directory not found")
     cfg = read_config(path)
-    reader = TensorReader(weight_files(path))
+    reader = TensorReader(weight_files(path), device)
     with torch.device("meta"):
         model = MLAModel(cfg)
     state = {}

@@ -19,6 +19,13 @@ the decode session (and its quantized cache) decides what every query reads.
 Interleaved RoPE checkpoints (DeepSeek-V2, V3 with `rope_interleave`) are de-interleaved once at load
 time by permuting the rope rows of the query and `kv_a_proj_with_mqa` weights; rotate-half RoPE on the
 permuted layout gives identical scores, and cached `k_pe` rows hold [even dims | odd dims].
+
+Precision (the numerics contract, whatever the weights' dtype — FP32, BF16 or FP16): projections run in
+the weights' dtype; RoPE tables, q_pe / k_pe after RoPE, the latent rows [c_kv | k_pe] (so what a cache
+encodes), the absorbed query q_nope·W_UK (upcast after the product), attention scores, softmax,
+log-sum-exp and the attention output are FP32 — every upcast explicit below — and the output is cast
+back to the weights' dtype only to enter W_UV / o_proj. Logits are returned FP32 (lm_head in the weights'
+dtype, then upcast), so log-softmax, NLL, KL and top-1 are computed in FP32.
 """
 
 from __future__ import annotations
@@ -219,6 +226,13 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.amplitude = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):
+        # device moves apply, dtype casts do not: `model.to(torch.bfloat16)` keeps RoPE frequencies FP32
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: int [..., T] → cos, sin: [..., T, d_r]."""
         freqs = positions[..., None].float() * self.inv_freq
@@ -264,16 +278,16 @@ class MLAAttention(nn.Module):
         q = self.q_proj(x) if cfg.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)  # [B, T, H, d_n + d_r]
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = apply_rope(q_pe, cos, sin)
+        q_pe = apply_rope(q_pe.float(), cos.float(), sin.float())  # FP32 [B, T, H, d_r]
         return q_nope, q_pe if self.rope_rotation is None else q_pe @ self.rope_rotation
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden] → cache rows [B, T, d_c + d_r] = [normed c_kv | rotated k_pe]."""
+        """x [B, T, hidden] → cache rows [B, T, d_c + d_r] float32 = [normed c_kv | rotated k_pe]."""
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
+        c_kv = self.kv_a_layernorm(c_kv).float()  # the latent is FP32 whatever the weights
         if self.latent_rotation is not None:
             c_kv = c_kv @ self.latent_rotation
-        k_pe = apply_rope(k_pe, cos, sin)
+        k_pe = apply_rope(k_pe.float(), cos.float(), sin.float())
         if self.rope_rotation is not None:
             k_pe = k_pe @ self.rope_rotation
         return torch.cat((c_kv, k_pe), dim=-1)
@@ -311,16 +325,19 @@ class MLAAttention(nn.Module):
         B, T, _ = x.shape
         q_nope, q_pe = self._query(x, cos, sin)
 
+        w_dtype = self.kv_b_proj.weight.dtype
+
         def expand(r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             c_kv, k_pe = r.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-            kv = self.kv_b_proj(c_kv).view(B, T, cfg.num_attention_heads, -1)  # [B, T, H, d_n + d_v]
+            kv = self.kv_b_proj(c_kv.to(w_dtype)).view(B, T, cfg.num_attention_heads, -1)  # [B, T, H, d_n + d_v]
             k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-            return torch.cat((k_nope, k_pe[:, :, None].expand(-1, -1, cfg.num_attention_heads, -1)), dim=-1), v
+            k_pe = k_pe.float()[:, :, None].expand(-1, -1, cfg.num_attention_heads, -1)
+            return torch.cat((k_nope.float(), k_pe), dim=-1), v  # k FP32 [B, T, H, d_n + d_r]
 
         k, v = expand(rows)
         near = None if rows_near is None else expand(rows_near)
-        out = causal_attention(torch.cat((q_nope, q_pe), dim=-1), k, v, self.scale, near, window)
-        return self.o_proj(out.reshape(B, T, -1))
+        out = causal_attention(torch.cat((q_nope.float(), q_pe), dim=-1), k, v, self.scale, near, window)
+        return self.o_proj(out.reshape(B, T, -1).to(w_dtype))
 
     def _latent_attention(self, x, cos, sin, rows, rows_near, window: int) -> torch.Tensor:
         d_c = self.cfg.kv_lora_rank
@@ -329,17 +346,21 @@ class MLAAttention(nn.Module):
         return self.output_from_latent(o_lat)
 
     def absorbed_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden] → q_abs [B, T, H, d_c + d_r] = [q_nope·W_UK | q_pe]."""
+        """x [B, T, hidden] → q_abs [B, T, H, d_c + d_r] float32 = [q_nope·W_UK | q_pe] (the product in the
+        weights' dtype, then upcast)."""
         q_nope, q_pe = self._query(x, cos, sin)
         if self.int8 is not None:
-            return torch.cat((self.int8.query(q_nope), q_pe), dim=-1)
+            return torch.cat((self.int8.query(q_nope).float(), q_pe), dim=-1)
         w_uk, _ = self._w_uk_uv()
-        return torch.cat((torch.einsum("bthn,hnc->bthc", q_nope, w_uk), q_pe), dim=-1)
+        return torch.cat((torch.einsum("bthn,hnc->bthc", q_nope, w_uk).float(), q_pe), dim=-1)
 
     def output_from_latent(self, o_lat: torch.Tensor) -> torch.Tensor:
-        """o_lat [B, T, H, d_c] (attention output in latent space) → [B, T, hidden] via W_UV and o_proj."""
+        """o_lat [B, T, H, d_c] (attention output in latent space, any float dtype) → [B, T, hidden] in the
+        weights' dtype via W_UV and o_proj."""
+        w_dtype = self.kv_b_proj.weight.dtype
+        o_lat = o_lat.to(w_dtype)
         if self.int8 is not None:
-            return self.int8.output(o_lat)
+            return self.int8.output(o_lat).to(w_dtype)
         _, w_uv = self._w_uk_uv()
         o = torch.einsum("bthc,hvc->bthv", o_lat, w_uv)
         return self.o_proj(o.reshape(*o.shape[:2], -1))
@@ -355,14 +376,17 @@ def masked_attention(
     use_near: torch.Tensor | None = None,
     with_lse: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Softmax attention (FP32 softmax) of T queries over S keys, each query reading only its `visible` keys.
+    """Softmax attention of T queries over S keys, each query reading only its `visible` keys, all in FP32
+    (q, k, v are upcast first; a no-op for FP32 inputs).
 
     q [B, T, H, D]; k [B, S, H, D] per head or [B, S, D] shared (MQA); v [B, S, H, E] or [B, S, E];
     visible: bool, broadcastable to [B, H, T, S]. With `near` = (k, v) of the last W keys (shapes as k, v
     with W for S), the (query, key) pairs of `use_near` (bool [T, S], False outside the last W keys) read
-    them instead of k, v: a residual window of unquantized rows. Returns (out [B, T, H, E] in q.dtype,
+    them instead of k, v: a residual window of unquantized rows. Returns (out [B, T, H, E] float32,
     log-sum-exp of the scaled scores [B, H, T] float32 when `with_lse`, else None).
     """
+    q, k, v = q.float(), k.float(), v.float()
+    near = None if near is None else (near[0].float(), near[1].float())
     k_sub = "bshd" if k.dim() == 4 else "bsd"
     v_sub = "bshe" if v.dim() == 4 else "bse"
     scores = torch.einsum(f"bthd,{k_sub}->bhts", q, k) * scale  # [B, H, T, S]
@@ -373,7 +397,7 @@ def masked_attention(
         scores[..., S - W :] = torch.where(use_near[:, S - W :], near_scores, scores[..., S - W :])
     scores.masked_fill_(~visible, float("-inf"))
     lse = scores.logsumexp(-1) if with_lse else None
-    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    probs = scores.softmax(-1, dtype=torch.float32)
     del scores  # [B, H, T, S]: free it before the weighted sums (long prefill chunks)
     if near is None:
         return torch.einsum(f"bhts,{v_sub}->bthe", probs, v), lse
@@ -566,7 +590,7 @@ class MLAModel(nn.Module):
         layer's input hidden state.
         """
         T = input_ids.shape[1]
-        cos, sin = self.rotary(torch.arange(T, device=input_ids.device)[None], self.dtype)
+        cos, sin = self.rotary(torch.arange(T, device=input_ids.device)[None], torch.float32)
         h = self.embed_tokens(input_ids) if hidden is None else hidden
         for i in range(start_layer, len(self.layers)):
             layer = self.layers[i]
@@ -590,19 +614,20 @@ class MLAModel(nn.Module):
         space o_lat [B, T, H, d_c] (softmax(q_abs·rows^T · scale) @ c_kv over what each query may see).
         Returns logits [B, T, V] float32.
         """
-        cos, sin = self.rotary(positions, self.dtype)
+        cos, sin = self.rotary(positions, torch.float32)
         h = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            o_lat = attend(i, attn.absorbed_query(x, cos, sin), attn.latent(x, cos, sin))
-            h = layer._mlp(h + attn.output_from_latent(o_lat.to(h.dtype)))
+            o_lat = attend(i, attn.absorbed_query(x, cos, sin), attn.latent(x, cos, sin))  # FP32 in and out
+            h = layer._mlp(h + attn.output_from_latent(o_lat))
         return self.lm_head(self.norm(h)).float()
 
 
 def hadamard_signs(n: int, seed: int) -> torch.Tensor:
     """Seeded random ±1 signs [n] (float32) for `hadamard_rotation`."""
-    return torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randint(0, 2, (n,), generator=gen, device="cpu").float() * 2 - 1
 
 
 def hadamard_rotation(signs: torch.Tensor) -> torch.Tensor:
@@ -610,7 +635,7 @@ def hadamard_rotation(signs: torch.Tensor) -> torch.Tensor:
     n = signs.numel()
     if n <= 0 or n & (n - 1):
         raise ValueError(f"Hadamard rotation needs a power-of-two width, got {n}")
-    h = torch.ones(1, 1)
+    h = torch.ones(1, 1, device=signs.device)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
     return signs.float()[:, None] * h / math.sqrt(n)
@@ -629,8 +654,8 @@ def latent_rotation(
 ) -> torch.Tensor:
     """Block-diagonal orthogonal R [d_c + d_r, d_c + d_r] = diag(R_c, R_r) for `with_latent_rotation`:
     `hadamard_rotation` of each part's signs, the identity for a part without signs."""
-    r_c = torch.eye(d_c) if ckv_signs is None else hadamard_rotation(ckv_signs)
-    r_r = torch.eye(d_r) if rope_signs is None else hadamard_rotation(rope_signs)
+    r_c = torch.eye(d_c, device="cpu") if ckv_signs is None else hadamard_rotation(ckv_signs.cpu())
+    r_r = torch.eye(d_r, device="cpu") if rope_signs is None else hadamard_rotation(rope_signs.cpu())
     return torch.block_diag(r_c, r_r)
 
 
@@ -656,13 +681,16 @@ def with_latent_rotation(model: MLAModel, rotations: dict[int, torch.Tensor]) ->
             layer = shallow_copy(layer)
             attn = shallow_copy(layer.self_attn)
             w = attn.kv_b_proj.weight
-            r_c, r_r = rot[:d_c, :d_c].to(w), rot[d_c:, d_c:].to(w)
-            if not torch.equal(r_c, torch.eye(d_c, dtype=w.dtype, device=w.device)):
-                kv_b = nn.Linear(attn.kv_b_proj.in_features, attn.kv_b_proj.out_features, bias=False)
-                kv_b.weight = nn.Parameter(w @ r_c, requires_grad=False)
-                attn.kv_b_proj = kv_b.to(w.device)
+            # rotations stay FP32 (they act on the FP32 latent); the fold is computed in FP32, stored as w
+            r_c = rot[:d_c, :d_c].to(device=w.device, dtype=torch.float32)
+            r_r = rot[d_c:, d_c:].to(device=w.device, dtype=torch.float32)
+            if not torch.equal(r_c, torch.eye(d_c, device=w.device)):
+                with torch.device("meta"):
+                    kv_b = nn.Linear(attn.kv_b_proj.in_features, attn.kv_b_proj.out_features, bias=False)
+                kv_b.weight = nn.Parameter((w.float() @ r_c).to(w.dtype), requires_grad=False)
+                attn.kv_b_proj = kv_b
                 attn.latent_rotation = r_c
-            if not torch.equal(r_r, torch.eye(d_r, dtype=w.dtype, device=w.device)):
+            if not torch.equal(r_r, torch.eye(d_r, device=w.device)):
                 attn.rope_rotation = r_r
             layer.self_attn = attn
         layers.append(layer)

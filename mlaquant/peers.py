@@ -93,7 +93,7 @@ def score_logits(evaluator: Evaluator, logits: list[torch.Tensor]) -> EvalResult
     (the same definitions as `Evaluator.evaluate`: loss = ppl/ppl_fp16 − 1, KL(fp16 ‖ peer), top-1)."""
     nll = kl = agree = 0.0
     for ids, ref_logp, lg in zip(evaluator.batches, evaluator.ref_logp, logits):
-        logp = F.log_softmax(lg[:, :-1].float(), -1)
+        logp = F.log_softmax(lg[:, :-1].to(ids.device).float(), -1)
         ref = ref_logp.float()
         nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
         kl += (ref.exp() * (ref - logp)).sum().item()
@@ -180,18 +180,26 @@ class TransformersPeers:
     """The checkpoint in transformers, for the `transformers` and `QuantizedCache` peer rows."""
 
     def __init__(
-        self, path: str | Path, dtype: torch.dtype, d_c: int, d_r: int, group_size: int, residual_length: int
+        self,
+        path: str | Path,
+        dtype: torch.dtype,
+        d_c: int,
+        d_r: int,
+        group_size: int,
+        residual_length: int,
+        device: torch.device | str = "cpu",
     ) -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()  # the sweep has its own
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(self.device).eval()
         self.d_c, self.d_r = d_c, d_r
         self.group = common_group(group_size, d_c, d_r)
         self.residual_length = residual_length
-        self.dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+        self.dtype_bytes = torch.empty(0, dtype=dtype, device="meta").element_size()
 
     def label(self, spec: PeerSpec) -> str:
         if spec.backend is None:
@@ -218,9 +226,10 @@ class TransformersPeers:
     def step_logits(self, ids: torch.Tensor, cache) -> torch.Tensor:
         """Teacher-forced step decoding of ids [B, T] through `cache` → logits [B, T, V] float32."""
         B, T = ids.shape
-        out = torch.empty(B, T, self.model.config.vocab_size)
+        ids = ids.to(self.device)
+        out = torch.empty(B, T, self.model.config.vocab_size, device=self.device)
         for t in range(T):
-            pos = torch.full((B, 1), t, dtype=torch.long)
+            pos = torch.full((B, 1), t, dtype=torch.long, device=self.device)
             step = self.model(ids[:, t : t + 1], cache=cache, use_cache=True, position_ids=pos)
             out[:, t] = step.logits[:, 0]
         return out
@@ -257,12 +266,13 @@ class TransformersPeers:
     def decode_tokens_per_s(self, spec: PeerSpec, prompt: torch.Tensor, steps: int) -> float:
         """Batch-1 greedy decode speed after a prefill of prompt [1, C]: 1 / median step time."""
         cache = self.new_cache(spec)
+        prompt = prompt.to(self.device)
         C = prompt.shape[1]
         logits = self.model(prompt, cache=cache, use_cache=True).logits[:, -1]
         times = []
         for k in range(steps + 1):  # the first step is a warm-up
             nxt = logits.argmax(-1, keepdim=True)
-            pos = torch.tensor([[C + k]])
+            pos = torch.tensor([[C + k]], device=self.device)
             t0 = time.perf_counter()
             logits = self.model(nxt, cache=cache, use_cache=True, position_ids=pos).logits[:, -1]
             times.append(time.perf_counter() - t0)

@@ -22,6 +22,7 @@ import torch
 from mlaquant import ops
 from mlaquant.cache import LatentCache
 from mlaquant.config import RuntimeConfig, load_runtime_config
+from mlaquant.device import place
 from mlaquant.errors import MLAQuantError
 from mlaquant.model import MLAModel, causal_attention, masked_attention
 from mlaquant.plan import Plan, resolve_plan
@@ -46,9 +47,10 @@ def _as_batch(input_ids, lengths) -> tuple[torch.Tensor, list[int]]:
     else:
         seqs = [list(s) for s in input_ids]
         lens = [len(s) for s in seqs]
-        ids = torch.zeros(len(seqs), max(lens, default=0), dtype=torch.long)
+        # assembled on the host, moved to the model's device by the caller
+        ids = torch.zeros(len(seqs), max(lens, default=0), dtype=torch.long, device="cpu")
         for b, s in enumerate(seqs):
-            ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
+            ids[b, : len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
     if len(lens) != ids.shape[0] or min(lens, default=0) < 1 or max(lens) > ids.shape[1]:
         raise MLAQuantError(f"prefill: lengths {lens} do not fit input_ids of shape {list(ids.shape)} (each ≥ 1)")
     return ids.long(), lens
@@ -60,7 +62,9 @@ class DecodeSession:
     plan: "fp16" | "fp32" | "bf16" | "int8" | "int4" | "<ckv>/<kpe>" codec names | a plan directory |
     a `Plan`. backend: "auto" (Triton on CUDA, torch elsewhere) | "torch" | "triton".
     guard: an object with `after_prefill(session, rows)` and `after_decode(session, rows)` hooks
-    (see `mlaquant.guard.Guard`), or None.
+    (see `mlaquant.guard.Guard`), or None. device / dtype (`mlaquant.device`: "auto", "cpu", "cuda[:N]";
+    "auto", "float32", "bfloat16", "float16"): when given, the model is moved / cast first, in place
+    (`mlaquant.device.place`); the session runs wherever the model is, and a plan fits any device and dtype.
     """
 
     def __init__(
@@ -70,7 +74,10 @@ class DecodeSession:
         backend: str = "auto",
         runtime: str | Path | dict | RuntimeConfig | None = None,
         guard=None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
     ) -> None:
+        model = place(model, device, dtype)
         self.plan = resolve_plan(plan, model)
         self.backend = ops.resolve_backend(backend, model.device)
         self.model = self.plan.apply(model, self.backend)
@@ -92,7 +99,7 @@ class DecodeSession:
     def prefill(self, input_ids: torch.Tensor | Sequence[Sequence[int]], lengths=None) -> torch.Tensor:
         """Start a batch: input_ids [B, T] (right-padded when `lengths` differ) or a list of token lists.
 
-        Returns logits [B, T, V] float32 (positions past a sequence's length are NaN).
+        Returns logits [B, T, V] float32 on the model's device (positions past a sequence's length are NaN).
         """
         ids, lens = _as_batch(input_ids, lengths)
         ids = ids.to(self.model.device)
@@ -100,12 +107,12 @@ class DecodeSession:
         self.cache = self._new_cache(B)
         self.lengths = [0] * B
         written: list[list[torch.Tensor]] = [[] for _ in self.model.layers]
-        logits = torch.full((B, T, self.model.cfg.vocab_size), float("nan"))
+        logits = torch.full((B, T, self.model.cfg.vocab_size), float("nan"), device=ids.device)
         for b in range(B):
             chunk = self.runtime.chunk_for(lens[b])
             for start in range(0, lens[b], chunk):
                 end = min(start + chunk, lens[b])
-                logits[b, start:end] = self._prefill_chunk(b, ids[b : b + 1, start:end], start, written)[0].cpu()
+                logits[b, start:end] = self._prefill_chunk(b, ids[b : b + 1, start:end], start, written)[0]
             self.lengths[b] = lens[b]
         if self.guard is not None:
             self.guard.after_prefill(self, [torch.cat(rows) for rows in written])
@@ -132,7 +139,7 @@ class DecodeSession:
 
     @torch.no_grad()
     def decode(self, next_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """Append one token per sequence: next_ids [B] → logits [B, V] float32."""
+        """Append one token per sequence: next_ids [B] → logits [B, V] float32 on the model's device."""
         if self.cache is None:
             raise MLAQuantError("decode: call prefill() first")
         ids = torch.as_tensor(next_ids, dtype=torch.long, device=self.model.device).reshape(-1, 1)
@@ -151,7 +158,7 @@ class DecodeSession:
         self.lengths = [n + 1 for n in self.lengths]
         if self.guard is not None:
             self.guard.after_decode(self, new_rows)
-        return logits.cpu()
+        return logits
 
     def attend_cache(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """One query per sequence q [B, H, d_c + d_r] over all of `layer`'s cached rows → [B, H, d_c]."""
@@ -182,7 +189,8 @@ class DecodeSession:
         """Attention partial over the FP16 window rows: q [B, H, D] → out [B, H, d_c], lse [B, H]."""
         recent = [self.cache.recent_rows(layer, b) for b in range(q.shape[0])]
         rows = torch.nn.utils.rnn.pad_sequence(recent, batch_first=True)  # [B, W, D]
-        valid = torch.arange(rows.shape[1], device=q.device)[None] < torch.tensor([r.shape[0] for r in recent])[:, None]
+        lens = torch.tensor([r.shape[0] for r in recent], device=q.device)
+        valid = torch.arange(rows.shape[1], device=q.device)[None] < lens[:, None]
         visible = valid[:, None, None]  # [B, 1, 1, W]: every valid window row precedes the query
         out, lse = masked_attention(q[:, None], rows, rows[..., : self.d_c], self.scale, visible, with_lse=True)
         return out[:, 0], lse[:, :, 0]
@@ -233,7 +241,7 @@ def generate(
     else:
         prompts = [list(prompt_ids)] if prompt_ids and isinstance(prompt_ids[0], int) else [list(p) for p in prompt_ids]
     session = DecodeSession(model, plan=plan, backend=backend, guard=guard)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    gen = torch.Generator(device=session.model.device).manual_seed(seed) if seed is not None else None
     logits = session.prefill(prompts)
     last = torch.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)])
     out: list[list[int]] = [[] for _ in prompts]

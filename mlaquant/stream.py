@@ -3,9 +3,13 @@
 `StreamedModel` never holds more than one decoder layer. A pass over a set of token batches goes
 layer-major: read one layer's tensors from the memory-mapped safetensors shards (FP8 block-scaled
 weights dequantized on the fly by the loader), run every batch through it, keep the outputs, free the
-layer, move on. Peak memory ≈ one layer + the hidden states of all samples at one layer boundary;
-hidden states beyond `spill_bytes` (counted over everything the model keeps) go to files in a private
-temporary directory instead of memory.
+layer, move on. Peak memory ≈ one layer + the hidden states of all samples at one layer boundary.
+
+On a CUDA `device` this is sequential onloading: one decoder layer's weights on the GPU at a time (read
+from the memory-mapped shards, FP8 blocks dequantized on the GPU), the kept hidden states on the GPU
+while they fit in `device_bytes` (default: half the GPU memory free at start), then in pinned CPU
+memory up to `spill_bytes`, then on disk. On the CPU the first tier is empty: memory up to
+`spill_bytes` (counted over everything the model keeps), then files in a private temporary directory.
 
 Each step runs `MLAModel.forward` itself, on a one-layer view (`_View`) and on the same batches as a
 loaded model, so every number — latent ranges, losses, the plan — is bit-identical to the full-load
@@ -63,26 +67,45 @@ def _return_freed_memory() -> None:
 
 
 class _SpillPool:
-    """Decides, per kept tensor, memory or disk: memory while the model's kept bytes stay ≤ max_bytes."""
+    """Decides, per kept tensor, where it lives: on the compute device while the kept device bytes stay
+    ≤ device_bytes (a tensor already there stays), else in (pinned, for a CUDA device) CPU memory while the
+    kept host bytes stay ≤ max_bytes, else on disk. `device` is where `Store` hands tensors back."""
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    def __init__(self, directory: Path, max_bytes: int, device: torch.device, device_bytes: int = 0) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
+        self.device = device
+        self.device_bytes = device_bytes
         self.in_memory = 0
+        self.on_device = 0
         self._names = itertools.count()
 
     def keep(self, t: torch.Tensor) -> torch.Tensor | Path:
         n = t.numel() * t.element_size()
+        if t.device.type != "cpu" and self.on_device + n <= self.device_bytes:
+            self.on_device += n
+            return t
         if self.in_memory + n <= self.max_bytes:
             self.in_memory += n
-            return t
+            if t.device.type == "cpu":
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.device.type == "cuda")
+            return host.copy_(t)
         path = self.directory / f"{next(self._names)}.safetensors"
-        save_file({"t": t.contiguous()}, str(path))
+        save_file({"t": t.contiguous().cpu()}, str(path))
         return path
+
+    def fetch(self, item: torch.Tensor | Path) -> torch.Tensor:
+        """A kept tensor, on the compute device."""
+        if isinstance(item, Path):
+            return load_file(str(item), device=str(self.device))["t"]
+        return item.to(self.device, non_blocking=True)
 
     def release(self, item: torch.Tensor | Path) -> None:
         if isinstance(item, Path):
             item.unlink(missing_ok=True)
+        elif item.device.type != "cpu":
+            self.on_device -= item.numel() * item.element_size()
         else:
             self.in_memory -= item.numel() * item.element_size()
 
@@ -99,8 +122,7 @@ class Store:
         self.items.append(self.pool.keep(t))
 
     def __getitem__(self, b: int) -> torch.Tensor:
-        item = self.items[b]
-        return load_file(str(item))["t"] if isinstance(item, Path) else item
+        return self.pool.fetch(self.items[b])
 
     def __len__(self) -> int:
         return len(self.items)
@@ -108,6 +130,10 @@ class Store:
     @property
     def on_disk(self) -> int:
         return sum(isinstance(i, Path) for i in self.items)
+
+    @property
+    def on_device(self) -> int:
+        return sum(isinstance(i, torch.Tensor) and i.device.type != "cpu" for i in self.items)
 
     def release(self) -> None:
         """Free the memory / files now (also happens when the store is garbage-collected)."""
@@ -146,10 +172,19 @@ class StreamedModel:
     def __init__(
         self,
         path: str | Path | None = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: str | torch.dtype | None = "auto",
         spill_bytes: int = DEFAULT_SPILL_BYTES,
         spill_dir: str | Path | None = None,
+        device: str | torch.device = "cpu",
+        device_bytes: int | None = None,
     ) -> None:
+        """dtype: of the weights ("auto": bfloat16 on CUDA, float32 on CPU); device: where each layer runs
+        ("auto", "cpu", "cuda[:N]"); device_bytes: hidden-state bytes kept on a CUDA device (None: half the
+        memory free now); spill_bytes: host bytes kept before spilling to files in `spill_dir`."""
+        from mlaquant.device import free_bytes, resolve_device, resolve_dtype
+
+        self.device = resolve_device(device)
+        dtype = resolve_dtype(dtype, self.device)
         path = resolve_model_path(path)
         if not path.is_dir():
             raise CheckpointError(f"{path}: model directory not found")
@@ -160,10 +195,12 @@ class StreamedModel:
         self.source = str(path)
         self.layers = range(self.cfg.num_hidden_layers)
         self.rotations: dict[int, torch.Tensor] = {}
-        self.rotary = RotaryEmbedding(self.cfg)
+        self.rotary = RotaryEmbedding(self.cfg).to(self.device)
         self._meta = self._meta_model()
         tmp = Path(tempfile.mkdtemp(prefix="mlaquant-stream-", dir=spill_dir))
-        self.pool = _SpillPool(tmp, spill_bytes)
+        if device_bytes is None:
+            device_bytes = (free_bytes(self.device) or 0) // 2
+        self.pool = _SpillPool(tmp, spill_bytes, self.device, device_bytes)
         # the directory goes with the pool, which `rotated` copies and every Store keep alive
         weakref.finalize(self.pool, shutil.rmtree, tmp, True)
         self._resident: weakref.WeakSet = weakref.WeakSet()
@@ -187,6 +224,15 @@ class StreamedModel:
     def resident_layers(self) -> int:
         return len(self._resident)
 
+    def to(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> StreamedModel:
+        """Run later layers on `device` in `dtype` (nothing is resident to move); returns self."""
+        if device is not None:
+            self.device = self.pool.device = torch.device(device)
+            self.rotary = self.rotary.to(self.device)
+        if dtype is not None:
+            self.dtype = dtype
+        return self
+
     def rotated(self, rotations: dict[int, torch.Tensor]) -> StreamedModel:
         """The streamed twin of `with_latent_rotation(model, rotations)` (shares files and spill pool)."""
         new = copy.copy(self)
@@ -201,14 +247,16 @@ class StreamedModel:
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             name = "embed_tokens.weight"
         t = read_parameter(reader, cfg, name, shape, self.path)
-        return t.to(dtype=self.dtype if t.is_floating_point() else t.dtype)
+        return t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
 
     def _load(self, module: nn.Module, prefix: str) -> nn.Module:
         """Materialize a meta `module` (our names under `prefix`) from the checkpoint."""
         params = module.state_dict(keep_vars=True)
         # a reader per tensor: its memory maps close as soon as the tensor is converted, so mapped
         # checkpoint pages never add up to more than one tensor
-        state = {n: self._tensor(TensorReader(self._files), prefix + n, p.shape) for n, p in params.items()}
+        state = {
+            n: self._tensor(TensorReader(self._files, self.device), prefix + n, p.shape) for n, p in params.items()
+        }
         module.load_state_dict(state, strict=False, assign=True)
         left = [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta]
         if left:
@@ -273,6 +321,7 @@ class StreamedModel:
         with every batch's input of that layer (the caller owns them); `on_logits(b, logits [B, T, V])` is
         called per batch, in order, after the last layer (no head is loaded without it).
         """
+        batches = [ids.to(self.device) for ids in batches]
         owned = hidden is None
         if hidden is None:
             view = self._embed_view()
