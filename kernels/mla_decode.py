@@ -411,6 +411,12 @@ def _int32(t: Tensor) -> Tensor:
     return t
 
 
+def schedule_chunk(config: KernelConfig, batch: int, heads: int, longest: int, n_sm: int | None) -> int:
+    """Split-KV chunk for a launch of `batch` sequences of up to `longest` tokens (`n_sm` SMs, None under the
+    interpreter)."""
+    return config.chunk_for(longest)
+
+
 def _resolve_chunk(chunk_tokens: int | None, longest: int, config: KernelConfig) -> int:
     if chunk_tokens is None:
         return config.chunk_for(longest)
@@ -437,6 +443,49 @@ def supports(codec, on_gpu: bool = True) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, built without running it: `fn[grid](*args, **kwargs)`. `mlaquant.kernels.aot`
+    compiles the same launch for a GPU on the CPU (meta tensors carry shapes and strides)."""
+
+    fn: object
+    grid: tuple[int, int, int]
+    args: tuple
+    kwargs: dict
+
+    def run(self) -> None:
+        self.fn[self.grid](*self.args, **self.kwargs)
+
+
+def stage1_launch(
+    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, scale: float,
+    chunk: int, longest: int, config: KernelConfig, on_gpu: bool,
+) -> tuple[Launch, Tensor, Tensor]:
+    """The stage-1 launch for checked inputs (q contiguous along channels, int32 indices, `chunk` resolved):
+    (launch, partials [B, H, S, d_c] fp32, lse [B, H, S] fp32), both allocated on q's device unwritten."""
+    c, r = codec_parts(codec, on_gpu)
+    bsz, heads = q.shape[:2]
+    n_split = max(1, triton.cdiv(longest, chunk))
+    parts = torch.empty(bsz, heads, n_split, d_c, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bsz, heads, n_split, dtype=torch.float32, device=q.device)
+    block_h = min(config.block_h, max(1, triton.next_power_of_2(heads))) if not on_gpu else config.block_h
+    grid = (bsz, triton.cdiv(heads, block_h), n_split)
+    args = (
+        q, pool, block_table, seq_lens, parts, lse,
+        q.stride(0), q.stride(1), pool.stride(0), block_table.stride(0),
+        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        heads, chunk, float(scale) * _LOG2E,
+    )
+    kwargs = dict(
+        PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, D_C=d_c,
+        C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset,
+        R_KIND=r.kind, R_ASYM=r.asym, R_W=r.width, R_G=r.group, R_OFF=r.offset,
+        R_SOFF=r.scale_offset, R_LOFF=r.lo_offset,
+        BLOCK_H=block_h, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return Launch(_partial_kernel, grid, args, kwargs), parts, lse
+
+
 def mla_decode_partials(
     q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, scale: float,
     chunk_tokens: int | None = None, config: KernelConfig | None = None, max_seq_len: int | None = None,
@@ -452,30 +501,35 @@ def mla_decode_partials(
     block_table, seq_lens = inputs.block_table, inputs.seq_lens
     longest = inputs.longest(max_seq_len)
     chunk = _resolve_chunk(chunk_tokens, longest, config)
-    c, r = codec_parts(codec, on_gpu)
+    codec_parts(codec, on_gpu)
     if q.dtype == torch.bfloat16 and not on_gpu:
         q = q.float()  # the interpreter has no bf16 arithmetic
     if q.stride(-1) != 1:
         q = q.contiguous()
-    bsz, heads = q.shape[:2]
-    n_split = max(1, triton.cdiv(longest, chunk))
-    parts = torch.empty(bsz, heads, n_split, d_c, dtype=torch.float32, device=q.device)
-    lse = torch.empty(bsz, heads, n_split, dtype=torch.float32, device=q.device)
-    block_h = min(config.block_h, max(1, triton.next_power_of_2(heads))) if not on_gpu else config.block_h
-    grid = (bsz, triton.cdiv(heads, block_h), n_split)
-    if bsz and heads:
-        _partial_kernel[grid](
-            q, pool, block_table, seq_lens, parts, lse,
-            q.stride(0), q.stride(1), pool.stride(0), block_table.stride(0),
-            parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-            heads, chunk, float(scale) * _LOG2E,
-            PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, D_C=d_c,
-            C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset,
-            R_KIND=r.kind, R_ASYM=r.asym, R_W=r.width, R_G=r.group, R_OFF=r.offset,
-            R_SOFF=r.scale_offset, R_LOFF=r.lo_offset,
-            BLOCK_H=block_h, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+    launch, parts, lse = stage1_launch(q, pool, block_table, seq_lens, codec, d_c, scale, chunk, longest, config,
+                                       on_gpu)
+    if q.shape[0] and q.shape[1]:
+        launch.run()
     return parts, lse, chunk
+
+
+def merge_launch(parts: Tensor, lse_parts: Tensor, seq_lens: Tensor, chunk_tokens: int, block_h: int = 16
+                 ) -> tuple[Launch, Tensor, Tensor]:
+    """The stage-2 launch: (launch, out [B, H, D] fp32, lse [B, H] fp32) for [B, H, S, D] partials."""
+    bsz, heads, _, dim = parts.shape
+    if dim & (dim - 1):
+        raise BackendError(f"merge_gated_fp16: width {dim} must be a power of two")
+    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=parts.device)
+    lse = torch.empty(bsz, heads, dtype=torch.float32, device=parts.device)
+    block_h = min(block_h, max(1, triton.next_power_of_2(heads)))
+    args = (
+        parts, lse_parts, seq_lens, out, lse,
+        parts.stride(0), parts.stride(1), parts.stride(2),
+        lse_parts.stride(0), lse_parts.stride(1), lse_parts.stride(2),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        heads, int(chunk_tokens),
+    )
+    return Launch(_merge_kernel, (bsz, triton.cdiv(heads, block_h), 1), args, dict(D_C=dim, BLOCK_H=block_h)), out, lse
 
 
 def merge_gated_fp16(
@@ -486,21 +540,9 @@ def merge_gated_fp16(
 
     Sequence b merges its first cdiv(seq_lens[b], chunk_tokens) chunks; an empty sequence gives 0, -inf."""
     _check_device(parts)
-    seq_lens = _int32(seq_lens)
-    bsz, heads, _, dim = parts.shape
-    if dim & (dim - 1):
-        raise BackendError(f"merge_gated_fp16: width {dim} must be a power of two")
-    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=parts.device)
-    lse = torch.empty(bsz, heads, dtype=torch.float32, device=parts.device)
-    block_h = min(block_h, max(1, triton.next_power_of_2(heads)))
-    if bsz and heads:
-        _merge_kernel[(bsz, triton.cdiv(heads, block_h))](
-            parts, lse_parts, seq_lens, out, lse,
-            parts.stride(0), parts.stride(1), parts.stride(2),
-            lse_parts.stride(0), lse_parts.stride(1), lse_parts.stride(2),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            heads, int(chunk_tokens), D_C=dim, BLOCK_H=block_h,
-        )
+    launch, out, lse = merge_launch(parts, lse_parts, _int32(seq_lens), chunk_tokens, block_h)
+    if out.numel():
+        launch.run()
     return out, lse
 
 
@@ -525,7 +567,7 @@ def mla_decode(
 
 
 __all__ = [
-    "supports",
+    "supports", "Launch", "stage1_launch", "merge_launch",
     "KernelConfig", "load_kernel_config", "mla_decode", "mla_decode_partials", "merge_gated_fp16",
     "interpreter_active", "PAGE_TOKENS",
 ]
