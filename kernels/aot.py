@@ -214,13 +214,13 @@ def decode_variants(heads=HEADS, codecs=DECODE_CODECS, config=None) -> list[Vari
             ctx = max(CONTEXTS)
             launch, _, _ = _decode_launch(K, codec, h, ctx, config)
             warps = launch.kwargs["num_warps"]
-            head_blocks = math.ceil(h / launch.kwargs["BLOCK_H"])
+            head_blocks = launch.grid[0]  # programs per sequence and chunk (head blocks x value halves)
             out.append(Variant("mla_decode", name, h, launch, {
                 "codec": codec, "row_bytes": codec.row_bytes, "block_n": launch.kwargs["BLOCK_N"],
                 "warps": warps, "head_blocks": head_blocks, "config": config}))
         parts = _meta(BATCH, h, 2, D_C, dtype=torch.float32)
         lse = _meta(BATCH, h, 2, dtype=torch.float32)
-        merge, _, _ = K.merge_launch(parts, lse, _meta(BATCH, dtype=torch.int32), 1024, config.block_h)
+        merge, _, _ = K.merge_launch(parts, lse, _meta(BATCH, dtype=torch.int32), 1024)
         out.append(Variant("merge", f"d_c {D_C}", h, merge))
     return out
 
