@@ -106,10 +106,10 @@ class KernelConfig:
     version: int = 1
     split_kv_chunks: tuple = ((2048, 512), (8192, 768), (0, 1024))
     block_h: int = 64
-    block_n: int = 64
+    block_n: int = 32
     num_warps: int = 8
     num_stages: int = 2
-    d_split: int = 2
+    d_split: int = 1
     narrow_heads: int = 16
 
     def __post_init__(self) -> None:
@@ -260,7 +260,70 @@ def _query_part(q_row, h_mask, KIND: tl.constexpr, W: tl.constexpr, G: tl.conste
 
 
 @triton.jit
-def _group_dot_int32(q8s, qsums, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr):
+def _nibble_codes(raw, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """The low (HIGH False) or high nibbles of uint8 `raw` as int8 0..15. ASM: one 32-bit op per 4 bytes
+    (inline PTX, compiled only); else per-element shifts and masks, the same values (the interpreter)."""
+    if ASM:
+        if HIGH:
+            n = tl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+                                          "=r,r", [raw], dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            n = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [raw], dtype=tl.int8,
+                                          is_pure=True, pack=4)
+    else:
+        if HIGH:
+            n = (raw >> 4).to(tl.int8, bitcast=True)
+        else:
+            n = (raw & 15).to(tl.int8, bitcast=True)
+    return n
+
+
+@triton.jit
+def _nibble_f16(raw, HIGH: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
+    """The low or high nibbles n of uint8 `raw` as FP16 n − 8 (SYM) or n, exact. ASM: each nibble pair is
+    moved into the mantissas of FP16 1024 (prmt + lop3) and 1024 (+ 8) subtracted, two values per
+    instruction; else a per-element conversion (the interpreter)."""
+    if ASM:
+        if HIGH:
+            if SYM:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b, c; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342; shr.u32 a, a, 4; "
+                    "shr.u32 b, b, 4; lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; "
+                    "lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA; mov.b32 c, 0x64086408; "
+                    "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                    "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+            else:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b, c; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342; shr.u32 a, a, 4; "
+                    "shr.u32 b, b, 4; lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; "
+                    "lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA; mov.b32 c, 0x64006400; "
+                    "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                    "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            if SYM:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b, c; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342; "
+                    "lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; "
+                    "lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA; mov.b32 c, 0x64086408; "
+                    "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                    "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+            else:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b, c; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342; "
+                    "lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; "
+                    "lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA; mov.b32 c, 0x64006400; "
+                    "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                    "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        v = _nibble_codes(raw, HIGH, False).to(tl.float16)
+        if SYM:
+            v = v - 8.0
+    return v
+
+
+@triton.jit
+def _group_dot_int32(q8s, qsums, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
+                     ASM: tl.constexpr):
     """The exact INT32 dot [BH, BN] of group g, equal to `group_dot`'s: asym INT8 codes enter as
     (byte ^ 0x80) = q − 128; INT4 nibbles enter unsigned as two dots, over the even and the odd channels,
     and a symmetric part subtracts 8·Σq8 afterwards (Σ q8·(n − 8) = Σ q8·n − 8·Σq8)."""
@@ -274,8 +337,8 @@ def _group_dot_int32(q8s, qsums, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.co
     else:
         raw = tl.load(row[:, None] + (g * (G // 2) + tl.arange(0, G // 2))[None, :], mask=t_mask[:, None],
                       other=0)
-        lo = (raw & 15).to(tl.int8, bitcast=True)
-        hi = (raw >> 4).to(tl.int8, bitcast=True)
+        lo = _nibble_codes(raw, False, ASM)
+        hi = _nibble_codes(raw, True, ASM)
         dot = tl.dot(q8s[2 * g], tl.trans(lo), out_dtype=tl.int32)
         dot = tl.dot(q8s[2 * g + 1], tl.trans(hi), dot, out_dtype=tl.int32)
         if not ASYM:
@@ -288,6 +351,7 @@ def _part_scores(
     q8s, qss, qsums, row, t_mask,
     KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
     SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Unscaled scores [BH, BN] fp32 of one row part against the query part of `_query_part`."""
     if KIND == 0:
@@ -297,7 +361,7 @@ def _part_scores(
     else:
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for g in tl.static_range(W // G):
-            dot = _group_dot_int32(q8s, qsums, row, t_mask, g, KIND, ASYM, G)
+            dot = _group_dot_int32(q8s, qsums, row, t_mask, g, KIND, ASYM, G, ASM)
             ks = tl.load((row + SCALE_OFF + 2 * g).to(tl.pointer_type(tl.float16)), mask=t_mask, other=0.0)
             ks = ks.to(tl.float32)
             s += dot.to(tl.float32) * (qss[g][:, None] * ks[None, :])
@@ -313,7 +377,7 @@ def _part_scores(
 @triton.jit
 def half_values(
     row, t_mask, half, KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
-    SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr,
+    SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr, ASM: tl.constexpr,
 ):
     """Half `half` (0 or 1) of the dequantized c_kv tile, [BN, W/2] FP16, computed in FP32 as the codec's
     decode and then rounded: channels half·W/2 + j for fp16 / int8, channels 2j + half (one nibble of every
@@ -340,9 +404,10 @@ def half_values(
             grp = (half * (W // 2) + tl.arange(0, NG) * GJ) // G
         else:
             raw = tl.load(row[:, None] + j[None, :], mask=t_mask[:, None], other=0)
-            q = ((raw >> (4 * half)) & 15).to(ctype)
-            if not ASYM:
-                q = q - 8.0
+            if half == 0:
+                q = _nibble_f16(raw, False, not ASYM, ASM).to(ctype)
+            else:
+                q = _nibble_f16(raw, True, not ASYM, ASM).to(ctype)
             grp = tl.arange(0, NG)
         par = row[:, None] + 2 * grp[None, :]  # [BN, NG] byte addresses of the runs' group parameters
         s = tl.load((par + SCALE_OFF).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None], other=0.0)
@@ -381,7 +446,7 @@ def _partial_kernel(
     C_LOFF: tl.constexpr,
     R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
     R_SOFF: tl.constexpr, R_LOFF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_SPLIT: tl.constexpr, ASM: tl.constexpr,
 ):
     """Stage 1: one (head block, value half when D_SPLIT = 2, chunk, sequence) -> normalized partial
     [BH, d_c] (its half of the channels when split) and the LSE [BH].
@@ -410,19 +475,19 @@ def _partial_kernel(
         t_mask = offs_t < end
         row = tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES)
         s = _part_scores(qc8, qcs, qcsum, row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF,
-                         BLOCK_H, BLOCK_N)
+                         BLOCK_H, BLOCK_N, ASM)
         s += _part_scores(qr8, qrs, qrsum, row + R_OFF, t_mask, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF,
-                          BLOCK_H, BLOCK_N)
+                          BLOCK_H, BLOCK_N, ASM)
         s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p16 = p.to(tl.float16)
-        v = half_values(row, t_mask, half0, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF)
+        v = half_values(row, t_mask, half0, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
         acc_a = acc_a * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
         if D_SPLIT == 1:
-            v = half_values(row, t_mask, 1, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF)
+            v = half_values(row, t_mask, 1, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
             acc_b = acc_b * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
         m_i = m_new
 
@@ -630,7 +695,8 @@ def stage1_launch(
         C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset,
         R_KIND=r.kind, R_ASYM=r.asym, R_W=r.width, R_G=r.group, R_OFF=r.offset,
         R_SOFF=r.scale_offset, R_LOFF=r.lo_offset,
-        BLOCK_H=block_h, BLOCK_N=config.block_n, D_SPLIT=d_split, num_warps=warps, num_stages=config.num_stages,
+        BLOCK_H=block_h, BLOCK_N=config.block_n, D_SPLIT=d_split, ASM=on_gpu, num_warps=warps,
+        num_stages=config.num_stages,
     )
     return Launch(_partial_kernel, grid, args, kwargs), parts, lse
 
