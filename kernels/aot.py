@@ -339,7 +339,12 @@ def render(rows: list[dict]) -> str:
 def run(targets: str, json_path: str | None) -> int:
     """`bench kernels --aot`: print the table; write the rows as JSON where asked."""
     from mlaquant.atomic import atomic_write
+    from mlaquant.errors import BackendError
+    from mlaquant.kernels import mla_decode as K
 
+    if K.interpreter_active():
+        raise BackendError("bench kernels --aot compiles for a GPU: unset TRITON_INTERPRET (the CPU interpreter "
+                           "replaces the compiler)")
     rows = report([t.strip() for t in targets.split(",") if t.strip()])
     text = render(rows)
     print(text, end="")

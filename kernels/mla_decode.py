@@ -238,7 +238,7 @@ def _quantize_query_int4(q_row, h_mask, g, G: tl.constexpr):
 
 
 @triton.jit
-def _query_part(q_row, h_mask, KIND: tl.constexpr, W: tl.constexpr, G: tl.constexpr):
+def query_part(q_row, h_mask, KIND: tl.constexpr, W: tl.constexpr, G: tl.constexpr):
     """The query's part, prepared once per program, as tuples: fp16 -> ((q fp16 [BH, W],), (), ());
     int8 (and int4 groups under 64) -> per group g (q8_g [BH, G]), (qs_g [BH]), (Σq8_g [BH]); int4 ->
     (even_0, odd_0, even_1, ...), (qs_g), (Σq8_g)."""
@@ -322,7 +322,7 @@ def _nibble_f16(raw, HIGH: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_dot_int32(q8s, qsums, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
+def group_dot_int32(q8s, qsums, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                      ASM: tl.constexpr):
     """The exact INT32 dot [BH, BN] of group g, equal to `group_dot`'s: asym INT8 codes enter as
     (byte ^ 0x80) = q − 128; INT4 nibbles enter unsigned as two dots, over the even and the odd channels,
@@ -353,7 +353,7 @@ def _part_scores(
     SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """Unscaled scores [BH, BN] fp32 of one row part against the query part of `_query_part`."""
+    """Unscaled scores [BH, BN] fp32 of one row part against the query part of `query_part`."""
     if KIND == 0:
         c = tl.arange(0, W)
         k = tl.load(row.to(tl.pointer_type(tl.float16))[:, None] + c[None, :], mask=t_mask[:, None], other=0.0)
@@ -361,7 +361,7 @@ def _part_scores(
     else:
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for g in tl.static_range(W // G):
-            dot = _group_dot_int32(q8s, qsums, row, t_mask, g, KIND, ASYM, G, ASM)
+            dot = group_dot_int32(q8s, qsums, row, t_mask, g, KIND, ASYM, G, ASM)
             ks = tl.load((row + SCALE_OFF + 2 * g).to(tl.pointer_type(tl.float16)), mask=t_mask, other=0.0)
             ks = ks.to(tl.float32)
             s += dot.to(tl.float32) * (qss[g][:, None] * ks[None, :])
@@ -463,8 +463,8 @@ def _partial_kernel(
     start = split * chunk_tokens
     end = tl.minimum(start + chunk_tokens, seq_len)
     q_row = q_ptr + b * stride_qb + offs_h * stride_qh
-    qc8, qcs, qcsum = _query_part(q_row, h_mask, C_KIND, D_C, C_G)
-    qr8, qrs, qrsum = _query_part(q_row + D_C, h_mask, R_KIND, R_W, R_G)
+    qc8, qcs, qcsum = query_part(q_row, h_mask, C_KIND, D_C, C_G)
+    qr8, qrs, qrsum = query_part(q_row + D_C, h_mask, R_KIND, R_W, R_G)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
