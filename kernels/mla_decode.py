@@ -26,16 +26,25 @@ each part of width W in groups of G channels, n_g = W / G, see `mlaquant.codecs`
     fp32 / bf16     refused here (BackendError): they exist for exactness checks on the torch path.
 
 Scores. A float part (fp16) is a FP16 x FP16 `tl.dot` with FP32 accumulation. For an integer part the
-query is quantized on the fly per (token, head, group) with the cache part's grouping:
+query is quantized once per program (before the token loop) per (token, head, group) with the cache part's
+grouping:
 `qs = absmax(q_group) / 127` (FP32, IEEE division), `q8 = round_half_even(q_group / qs)` (an all-zero group
 gets qs = 1, q8 = 0); then per group one INT8 x INT8 -> INT32 `tl.dot` with the group's codes, exact, scaled
-into FP32: `qs * s * dot8` (+ `qs * lo' * Σq8` for asymmetric groups). INT4 nibbles are unpacked and
-interleaved in registers into an INT8 tile. Asymmetric INT8 codes (0..255) enter the dot as `q - 128`
-with `lo' = lo + 128 * s`; asymmetric INT4 codes enter unchanged (lo' = lo). `group_dot` is this path for
-one group; tests/test_kernel_mla_decode.py runs it on its own to check it bit-exactly against torch.
+into FP32: `qs * s * dot8` (+ `qs * lo' * Σq8` for asymmetric groups). Asymmetric INT8 codes (0..255)
+enter the dot as `q - 128` (the byte XOR 0x80) with `lo' = lo + 128 * s`; asymmetric INT4 codes enter
+unchanged (lo' = lo). INT4 groups of ≥ 64 channels run as two dots over the unsigned nibbles, low (even
+channels) and high (odd channels), against the query's even and odd channels, and symmetric ones subtract
+8·Σq8 (the same INT32 value as Σ q8·(n − 8)); smaller INT4 groups interleave the nibbles into one INT8 tile.
+On the GPU nibbles are unpacked by inline PTX four bytes per 32-bit instruction (`ASM`); the interpreter runs
+the same bit operations per element. `group_dot` is the reference path for one group;
+tests/test_kernel_mla_decode.py checks it bit-exactly against torch, tests/test_kernel_dequant.py checks the
+in-loop `group_dot_int32` against it.
 
-P·V: V is dequantized in-kernel in FP32 (`q * s (+ lo)`, exactly the codec's decode), rounded to FP16, and
-multiplied with P rounded to FP16 (FP32 accumulation), once per tile for all heads of the program. The
+P·V: V is dequantized in-kernel (`half_values`, in two halves of the channels: contiguous for fp16 / int8, the
+low and high nibbles for int4) exactly as the codec's decode rounded to FP16 — asymmetric codes in FP32
+(`q * s + lo`), symmetric ones in FP16 (q·s is exact in FP32, so FP16's rounded product is the same bits;
+tests/test_kernel_dequant.py checks every codec bit for bit) — and multiplied with P rounded to FP16 (FP32
+accumulation), once per tile for all heads of the program. The
 alternative, INT8 P·V, must fold the per-token V scales into P (they vary along the reduction axis) and
 re-quantize P per (head, group) every tile. Measured in a torch emulation of both (d_c 512, 1024 tokens,
 16 heads, 32-token tiles, FP64 reference on the same dequantized cache), the relative L2 output error is
@@ -45,9 +54,13 @@ It would also cost n_g small MMAs and n_g INT32->FP32 rescales per tile instead 
 per token, shared by all heads) and one MMA. Speed could not be measured here (no GPU). FP16 P·V is the
 choice (FlashMLA also dequantizes to 16-bit for P·V).
 
-Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page; by default
-from `configs/kernels.yaml` by the batch's longest context: 512 below 2k tokens, 768 for 2k-8k, 1024 above).
-Stage 1 runs one program per (sequence, block of heads, chunk) with an FP32 online softmax (base 2) and
+Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page). By default, on
+a GPU, `schedule_chunk` sizes them to fill the SMs (waves x pages per program within 10 % of the best, the
+longest such chunk); under the interpreter they come from `configs/kernels.yaml` by the batch's longest
+context: 512 below 2k tokens, 768 for 2k-8k, 1024 above. Stage 1 runs one program per (head block [x value
+half when `d_split` is 2], chunk, sequence) — head blocks fastest, so the programs reading one tile run side
+by side and all but the first hit L2; `KernelConfig.tile_for` gives the block (64 heads on 8 warps, wgmma,
+above 16 heads; one 16-row block on 4 warps up to 16) — with an FP32 online softmax (base 2) and
 writes the chunk's normalized partial output h_k [d_c] and its natural-log LSE λ_k. Stage 2 folds the
 chunks of each sequence left to right:
 
@@ -100,7 +113,8 @@ class KernelConfig:
 
     `split_kv_chunks` lists `[up_to_context, chunk_tokens]` pairs, read by `mlaquant.config.chunk_for_context`
     with the batch's longest context.
-    `block_h` heads and `block_n` tokens per tile of a stage-1 program.
+    `block_h` heads and `block_n` tokens per tile of a stage-1 program, on `num_warps` warps, the values split
+    over `d_split` programs; at most `narrow_heads` heads run as one narrow block (`tile_for`).
     """
 
     version: int = 1
