@@ -1,6 +1,7 @@
 """`mlaquant bench kernels`: the Triton kernels timed on a CUDA GPU, beside baselines timed in the same run.
 
     mlaquant bench kernels [--out runs/bench_kernels.md]      (≤ 5 minutes on one GPU by default)
+    mlaquant bench kernels --aot sm_90a,sm_80 [--json PATH]   (no GPU: compiled code + cost model, kernels/aot.py)
 
 MLA decode at DeepSeek-V3 shapes (H = 128 and 16, d_c 512, d_r 64), batch 1/8/32/128, context 1k-64k, one
 row per cache codec (FP16, INT8, INT4 latent; RoPE part FP16 by default): time per call, achieved bandwidth
@@ -64,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sdpa-max-gb", type=float, default=16.0, help="skip SDPA where expanded K/V exceed this")
     p.add_argument("--rep-ms", type=int, default=40, help="do_bench repetition time per measurement")
     p.add_argument("--time-budget", type=float, default=270.0, help="seconds; later measurements are skipped")
+    p.add_argument("--aot", default=None, metavar="TARGETS",
+                   help="no GPU: compile every kernel variant for these targets (e.g. sm_90a,sm_80) and report "
+                        "registers, spills, MMA kinds and the cost model's predicted times (mlaquant.kernels.aot)")
+    p.add_argument("--json", default=None, help="with --aot: also write the rows as JSON here")
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -147,7 +152,8 @@ def decode_rows(
                         continue
                     pool = _pool(codec, b * ctx, K.PAGE_TOKENS, device, gen)
                     table = torch.randperm(pool.shape[0], generator=gen).view(b, -1).to(device, torch.int32)
-                    chunk = config.chunk_for(ctx)
+                    n_sm = K.sm_count(device.index or 0) if device.type == "cuda" else None
+                    chunk = K.schedule_chunk(config, b, h, ctx, n_sm)
                     n_split = -(-ctx // chunk)
                     ms = clock(functools.partial(K.mla_decode, q, pool, table, lens, codec, d_c, scale,
                                                  max_seq_len=ctx))
@@ -307,6 +313,10 @@ def render_markdown(meta: dict, rows: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.aot:
+        from mlaquant.kernels import aot
+
+        return aot.run(args.aot, args.json)
     _require_cuda()
     import triton
     import triton.testing

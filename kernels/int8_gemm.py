@@ -166,13 +166,10 @@ def _device_check(x: Tensor) -> bool:
     return interpreted
 
 
-def quantize_rows(x: Tensor, outlier_threshold: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Triton per-token quantization of x [M, K] -> (x8 int8 [M, K], s_x fp32 [M], outlier columns bool [K]);
-    same contract as `quantize_activation`."""
-    _device_check(x)
-    if x.dtype == torch.bfloat16 and not x.is_cuda:
-        x = x.float()  # exact; the interpreter has no BF16 arithmetic
-    x = x if x.stride(-1) == 1 else x.contiguous()
+def quantize_rows_launch(x: Tensor, outlier_threshold: float | None = None):
+    """The row-quantization launch for x [M, K] (contiguous rows): (launch, x8, s_x, outlier columns)."""
+    from mlaquant.kernels.mla_decode import Launch
+
     m, k = x.shape
     if outlier_threshold is None:
         cols = torch.zeros(k, dtype=torch.bool, device=x.device)
@@ -180,12 +177,21 @@ def quantize_rows(x: Tensor, outlier_threshold: float | None = None) -> tuple[Te
         cols = (x.abs() >= outlier_threshold).any(0)
     x8 = torch.empty(m, k, dtype=torch.int8, device=x.device)
     sx = torch.empty(m, dtype=torch.float32, device=x.device)
-    if m and k:
-        _quantize_rows_kernel[(m,)](
-            x, cols.view(torch.uint8), x8, sx, k, x.stride(0), x8.stride(0),
-            float(outlier_threshold or 0.0), HAS_OUTLIERS=outlier_threshold is not None,
-            BLOCK_K=min(1024, triton.next_power_of_2(k)),
-        )
+    args = (x, cols.view(torch.uint8), x8, sx, k, x.stride(0), x8.stride(0), float(outlier_threshold or 0.0))
+    kwargs = dict(HAS_OUTLIERS=outlier_threshold is not None, BLOCK_K=min(1024, triton.next_power_of_2(k)))
+    return Launch(_quantize_rows_kernel, (m, 1, 1), args, kwargs), x8, sx, cols
+
+
+def quantize_rows(x: Tensor, outlier_threshold: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Triton per-token quantization of x [M, K] -> (x8 int8 [M, K], s_x fp32 [M], outlier columns bool [K]);
+    same contract as `quantize_activation`."""
+    _device_check(x)
+    if x.dtype == torch.bfloat16 and not x.is_cuda:
+        x = x.float()  # exact; the interpreter has no BF16 arithmetic
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    launch, x8, sx, cols = quantize_rows_launch(x, outlier_threshold)
+    if x.shape[0] and x.shape[1]:
+        launch.run()
     return x8, sx, cols
 
 
@@ -193,6 +199,22 @@ def _tiles(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): decode-sized M gets thin tiles; INT8 tl.dot needs K ≥ 32."""
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     return block_m, 128, 128, 4 if block_m <= 64 else 8
+
+
+def gemm_launch(x8: Tensor, w: Tensor, sx: Tensor, ws: Tensor, y: Tensor, extra: Tensor | None = None):
+    """The plain GEMM launch y [M, N] = x8 [M, K] · w [N, K]^T scaled (+ extra [M, N] fp32): (launch, tiles)."""
+    from mlaquant.kernels.mla_decode import Launch
+
+    (m, k), n = x8.shape, w.shape[0]
+    block_m, block_n, block_k, warps = _tiles(m)
+    args = (
+        x8, w, sx, ws, extra if extra is not None else y, y, m, n, k,
+        x8.stride(0), w.stride(0), extra.stride(0) if extra is not None else 0, y.stride(0), 1,
+        0, 0, 0, 0, 0,
+    )
+    kwargs = dict(HAS_EXTRA=extra is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), 1)
+    return Launch(_gemm_kernel, grid, args, kwargs), f"{block_m}x{block_n}x{block_k}"
 
 
 def int8_gemm(
@@ -213,15 +235,9 @@ def int8_gemm(
     store_dtype = torch.float32 if interpreted and out_dtype == torch.bfloat16 else out_dtype
     y = torch.empty(x2.shape[0], n, dtype=store_dtype, device=x.device)
     w = w_int8 if w_int8.stride(-1) == 1 else w_int8.contiguous()
-    block_m, block_n, block_k, warps = _tiles(x2.shape[0])
+    launch, _ = gemm_launch(x8, w, sx, w_scale.contiguous(), y, extra)
     if y.numel():
-        grid = (triton.cdiv(x2.shape[0], block_m), triton.cdiv(n, block_n), 1)
-        _gemm_kernel[grid](
-            x8, w, sx, w_scale.contiguous(), extra if extra is not None else y, y, x2.shape[0], n, k,
-            x8.stride(0), w.stride(0), extra.stride(0) if extra is not None else 0, y.stride(0), 1,
-            0, 0, 0, 0, 0,
-            HAS_EXTRA=extra is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-        )
+        launch.run()
     return y.to(out_dtype).reshape(*lead, n)
 
 

@@ -26,16 +26,25 @@ each part of width W in groups of G channels, n_g = W / G, see `mlaquant.codecs`
     fp32 / bf16     refused here (BackendError): they exist for exactness checks on the torch path.
 
 Scores. A float part (fp16) is a FP16 x FP16 `tl.dot` with FP32 accumulation. For an integer part the
-query is quantized on the fly per (token, head, group) with the cache part's grouping:
+query is quantized once per program (before the token loop) per (token, head, group) with the cache part's
+grouping:
 `qs = absmax(q_group) / 127` (FP32, IEEE division), `q8 = round_half_even(q_group / qs)` (an all-zero group
 gets qs = 1, q8 = 0); then per group one INT8 x INT8 -> INT32 `tl.dot` with the group's codes, exact, scaled
-into FP32: `qs * s * dot8` (+ `qs * lo' * Σq8` for asymmetric groups). INT4 nibbles are unpacked and
-interleaved in registers into an INT8 tile. Asymmetric INT8 codes (0..255) enter the dot as `q - 128`
-with `lo' = lo + 128 * s`; asymmetric INT4 codes enter unchanged (lo' = lo). `group_dot` is this path for
-one group; tests/test_kernel_mla_decode.py runs it on its own to check it bit-exactly against torch.
+into FP32: `qs * s * dot8` (+ `qs * lo' * Σq8` for asymmetric groups). Asymmetric INT8 codes (0..255)
+enter the dot as `q - 128` (the byte XOR 0x80) with `lo' = lo + 128 * s`; asymmetric INT4 codes enter
+unchanged (lo' = lo). INT4 groups of ≥ 64 channels run as two dots over the unsigned nibbles, low (even
+channels) and high (odd channels), against the query's even and odd channels, and symmetric ones subtract
+8·Σq8 (the same INT32 value as Σ q8·(n − 8)); smaller INT4 groups interleave the nibbles into one INT8 tile.
+On the GPU nibbles are unpacked by inline PTX four bytes per 32-bit instruction (`ASM`); the interpreter runs
+the same bit operations per element. `group_dot` is the reference path for one group;
+tests/test_kernel_mla_decode.py checks it bit-exactly against torch, tests/test_kernel_dequant.py checks the
+in-loop `group_dot_int32` against it.
 
-P·V: V is dequantized in-kernel in FP32 (`q * s (+ lo)`, exactly the codec's decode), rounded to FP16, and
-multiplied with P rounded to FP16 (FP32 accumulation), once per tile for all heads of the program. The
+P·V: V is dequantized in-kernel (`half_values`, in two halves of the channels: contiguous for fp16 / int8, the
+low and high nibbles for int4) exactly as the codec's decode rounded to FP16 — asymmetric codes in FP32
+(`q * s + lo`), symmetric ones in FP16 (q·s is exact in FP32, so FP16's rounded product is the same bits;
+tests/test_kernel_dequant.py checks every codec bit for bit) — and multiplied with P rounded to FP16 (FP32
+accumulation), once per tile for all heads of the program. The
 alternative, INT8 P·V, must fold the per-token V scales into P (they vary along the reduction axis) and
 re-quantize P per (head, group) every tile. Measured in a torch emulation of both (d_c 512, 1024 tokens,
 16 heads, 32-token tiles, FP64 reference on the same dequantized cache), the relative L2 output error is
@@ -45,9 +54,13 @@ It would also cost n_g small MMAs and n_g INT32->FP32 rescales per tile instead 
 per token, shared by all heads) and one MMA. Speed could not be measured here (no GPU). FP16 P·V is the
 choice (FlashMLA also dequantizes to 16-bit for P·V).
 
-Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page; by default
-from `configs/kernels.yaml` by the batch's longest context: 512 below 2k tokens, 768 for 2k-8k, 1024 above).
-Stage 1 runs one program per (sequence, block of heads, chunk) with an FP32 online softmax (base 2) and
+Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page). By default, on
+a GPU, `schedule_chunk` sizes them to fill the SMs (waves x pages per program within 10 % of the best, the
+longest such chunk); under the interpreter they come from `configs/kernels.yaml` by the batch's longest
+context: 512 below 2k tokens, 768 for 2k-8k, 1024 above. Stage 1 runs one program per (head block [x value
+half when `d_split` is 2], chunk, sequence) — head blocks fastest, so the programs reading one tile run side
+by side and all but the first hit L2; `KernelConfig.tile_for` gives the block (64 heads on 8 warps, wgmma,
+above 16 heads; one 16-row block on 4 warps up to 16) — with an FP32 online softmax (base 2) and
 writes the chunk's normalized partial output h_k [d_c] and its natural-log LSE λ_k. Stage 2 folds the
 chunks of each sequence left to right:
 
@@ -100,15 +113,18 @@ class KernelConfig:
 
     `split_kv_chunks` lists `[up_to_context, chunk_tokens]` pairs, read by `mlaquant.config.chunk_for_context`
     with the batch's longest context.
-    `block_h` heads and `block_n` tokens per tile of a stage-1 program.
+    `block_h` heads and `block_n` tokens per tile of a stage-1 program, on `num_warps` warps, the values split
+    over `d_split` programs; at most `narrow_heads` heads run as one narrow block (`tile_for`).
     """
 
     version: int = 1
     split_kv_chunks: tuple = ((2048, 512), (8192, 768), (0, 1024))
-    block_h: int = 16
+    block_h: int = 64
     block_n: int = 32
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
+    d_split: int = 1
+    narrow_heads: int = 16
 
     def __post_init__(self) -> None:
         pairs = self.split_kv_chunks
@@ -117,10 +133,25 @@ class KernelConfig:
                 f"kernels: split_kv_chunks must be [bound, chunk] pairs with chunk a positive multiple of "
                 f"{PAGE_TOKENS}, got {pairs}"
             )
-        for name in ("block_h", "block_n"):
+        if self.d_split not in (1, 2):
+            raise ConfigError(f"kernels: d_split must be 1 or 2, got {self.d_split}")
+        for name in ("block_h", "block_n", "narrow_heads"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1) or (name == "block_n" and PAGE_TOKENS % v):
                 raise ConfigError(f"kernels: {name} must be a power of two (block_n dividing 64), got {v}")
+
+    def tile_for(self, heads: int, on_gpu: bool) -> tuple[int, int, int]:
+        """(BLOCK_H, num_warps, D_SPLIT) for `heads` query heads. At most `narrow_heads` heads run as one
+        block of that many rows, 4 warps, unsplit (mma.sync: wgmma needs 64 rows, and padding to 64 would
+        multiply the MMA work); more run in blocks of `block_h` with `num_warps` and the values split in
+        `d_split` programs. Under the interpreter a block is at most the next power of two of `heads`."""
+        if heads <= self.narrow_heads:
+            block_h, warps, d_split = self.narrow_heads, 4, 1
+        else:
+            block_h, warps, d_split = self.block_h, self.num_warps, self.d_split
+        if not on_gpu:
+            block_h = min(block_h, max(1, triton.next_power_of_2(heads)))
+        return block_h, warps, d_split
 
     def chunk_for(self, context_len: int) -> int:
         """Split-KV chunk length for a longest context of `context_len` tokens."""
@@ -151,101 +182,264 @@ def _packaged_config() -> KernelConfig:
 
 
 @triton.jit
-def group_dot(q_row, h_mask, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr):
-    """Group g of one integer part: (INT32 dot [BH, BN], qs [BH] fp32, Σq8 [BH] int32).
-
-    `q_row` [BH] points at the part's first query channel, `row` [BN] at the part's first byte. The codes
-    enter the dot as int8: sym int8 q, asym int8 q − 128, int4 nibbles interleaved (q − 8 when sym)."""
+def quantize_query_group(q_row, h_mask, g, G: tl.constexpr):
+    """Query channels [g*G, (g+1)*G) of each head -> (q8 int8 [BH, G], qs [BH] fp32, Σq8 [BH] int32)."""
     cg = g * G + tl.arange(0, G)
     qf = tl.load(q_row[:, None] + cg[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(qf), axis=1)
     qs = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.0)
-    x = tl.math.div_rn(qf, tl.broadcast_to(qs[:, None], qf.shape))
-    # Round half to even, exactly: x − floor(x) is representable, floor(x + 0.5) would misround 0.49999997.
+    q8 = _round_codes(tl.math.div_rn(qf, tl.broadcast_to(qs[:, None], qf.shape)))
+    return q8, qs, tl.sum(q8.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _round_codes(x):
+    """round_half_even(x) clamped to [-127, 127] as int8, exactly: x − floor(x) is representable, while
+    floor(x + 0.5) would misround 0.49999997."""
     r = tl.floor(x)
     f = x - r
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
     r = tl.where((f > 0.5) | ((f == 0.5) & odd), r + 1.0, r)
-    q8 = tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
+    return tl.minimum(tl.maximum(r, -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
+def dot_codes(row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr):
+    """Codes [BN, G] int8 of group g as they enter the INT8 dot (sym int8 q, asym int8 q − 128, int4 nibbles
+    interleaved, q − 8 when sym); `row` [BN] points at the part's first byte."""
     if KIND == 1:
-        raw = tl.load(row[:, None] + cg[None, :], mask=t_mask[:, None], other=0)
+        raw = tl.load(row[:, None] + (g * G + tl.arange(0, G))[None, :], mask=t_mask[:, None], other=0)
         if ASYM:
             k = (raw.to(tl.int32) - 128).to(tl.int8)
         else:
             k = raw.to(tl.int8, bitcast=True)
     else:
-        cb = g * (G // 2) + tl.arange(0, G // 2)
-        raw = tl.load(row[:, None] + cb[None, :], mask=t_mask[:, None], other=0)
+        raw = tl.load(row[:, None] + (g * (G // 2) + tl.arange(0, G // 2))[None, :], mask=t_mask[:, None],
+                      other=0)
         lo = (raw & 15).to(tl.int8)
         hi = (raw >> 4).to(tl.int8)
         if not ASYM:
             lo = lo - 8
             hi = hi - 8
         k = tl.interleave(lo, hi)
-    dot = tl.dot(q8, tl.trans(k), out_dtype=tl.int32)
-    qsum = tl.sum(q8.to(tl.int32), axis=1)
-    return dot, qs, qsum
+    return k
+
+
+@triton.jit
+def group_dot(q_row, h_mask, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr):
+    """Group g of one integer part: (INT32 dot [BH, BN], qs [BH] fp32, Σq8 [BH] int32).
+
+    `q_row` [BH] points at the part's first query channel, `row` [BN] at the part's first byte. The codes
+    enter the dot as int8: sym int8 q, asym int8 q − 128, int4 nibbles interleaved (q − 8 when sym)."""
+    q8, qs, qsum = quantize_query_group(q_row, h_mask, g, G)
+    k = dot_codes(row, t_mask, g, KIND, ASYM, G)
+    return tl.dot(q8, tl.trans(k), out_dtype=tl.int32), qs, qsum
+
+
+@triton.jit
+def _quantize_query_int4(q_row, h_mask, g, G: tl.constexpr):
+    """Group g of an INT4 part's query split by channel parity (the nibble order of the codes): (q8 of the
+    even channels [BH, G/2], q8 of the odd ones, qs [BH] fp32, Σq8 [BH] int32) — the same codes as
+    `quantize_query_group`, which sees the group whole."""
+    j = g * G + 2 * tl.arange(0, G // 2)
+    qe = tl.load(q_row[:, None] + j[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+    qo = tl.load(q_row[:, None] + (j + 1)[None, :], mask=h_mask[:, None], other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(qe), axis=1), tl.max(tl.abs(qo), axis=1))
+    qs = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), 1.0)
+    q8e = _round_codes(tl.math.div_rn(qe, tl.broadcast_to(qs[:, None], qe.shape)))
+    q8o = _round_codes(tl.math.div_rn(qo, tl.broadcast_to(qs[:, None], qo.shape)))
+    return q8e, q8o, qs, tl.sum(q8e.to(tl.int32), axis=1) + tl.sum(q8o.to(tl.int32), axis=1)
+
+
+@triton.jit
+def query_part(q_row, h_mask, KIND: tl.constexpr, W: tl.constexpr, G: tl.constexpr):
+    """The query's part, prepared once per program, as tuples: fp16 -> ((q fp16 [BH, W],), (), ());
+    int8 (and int4 groups under 64) -> per group g (q8_g [BH, G]), (qs_g [BH]), (Σq8_g [BH]); int4 ->
+    (even_0, odd_0, even_1, ...), (qs_g), (Σq8_g)."""
+    if KIND == 0:
+        c = tl.arange(0, W)
+        qh = tl.load(q_row[:, None] + c[None, :], mask=h_mask[:, None], other=0.0).to(tl.float16)
+        q8s, qss, qsums = (qh,), (), ()
+    else:
+        q8s, qss, qsums = (), (), ()
+        for g in tl.static_range(W // G):
+            if KIND == 1 or G < 64:
+                q8, qs, qsum = quantize_query_group(q_row, h_mask, g, G)
+                q8s = q8s + (q8,)
+            else:
+                q8e, q8o, qs, qsum = _quantize_query_int4(q_row, h_mask, g, G)
+                q8s = q8s + (q8e, q8o)
+            qss, qsums = qss + (qs,), qsums + (qsum,)
+    return q8s, qss, qsums
+
+
+@triton.jit
+def _nibble_codes(raw, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """The low (HIGH False) or high nibbles of uint8 `raw` as int8 0..15. ASM: one 32-bit op per 4 bytes
+    (inline PTX, compiled only); else per-element shifts and masks, the same values (the interpreter)."""
+    if ASM:
+        if HIGH:
+            n = tl.inline_asm_elementwise("{ .reg .b32 t; shr.u32 t, $1, 4; and.b32 $0, t, 0x0F0F0F0F; }",
+                                          "=r,r", [raw], dtype=tl.int8, is_pure=True, pack=4)
+        else:
+            n = tl.inline_asm_elementwise("and.b32 $0, $1, 0x0F0F0F0F;", "=r,r", [raw], dtype=tl.int8,
+                                          is_pure=True, pack=4)
+    else:
+        if HIGH:
+            n = (raw >> 4).to(tl.int8, bitcast=True)
+        else:
+            n = (raw & 15).to(tl.int8, bitcast=True)
+    return n
+
+
+@triton.jit
+def _nibble_f16(raw, HIGH: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
+    """The low or high nibbles n of uint8 `raw` as FP16 n − 8 (SYM) or n, exact. ASM: each nibble pair is
+    moved into the mantissas of FP16 1024 (prmt + lop3) and 1024 (+ 8) subtracted, two values per
+    instruction; else a per-element conversion (the interpreter)."""
+    if ASM:
+        if HIGH:
+            if SYM:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b, c; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342; shr.u32 a, a, 4; "
+                    "shr.u32 b, b, 4; lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; "
+                    "lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA; mov.b32 c, 0x64086408; "
+                    "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                    "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+            else:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b, c; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342; shr.u32 a, a, 4; "
+                    "shr.u32 b, b, 4; lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; "
+                    "lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA; mov.b32 c, 0x64006400; "
+                    "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                    "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            if SYM:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b, c; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342; "
+                    "lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; "
+                    "lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA; mov.b32 c, 0x64086408; "
+                    "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                    "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+            else:
+                v = tl.inline_asm_elementwise(
+                    "{ .reg .b32 a, b, c; prmt.b32 a, $2, 0, 0x4140; prmt.b32 b, $2, 0, 0x4342; "
+                    "lop3.b32 a, a, 0x000F000F, 0x64006400, 0xEA; "
+                    "lop3.b32 b, b, 0x000F000F, 0x64006400, 0xEA; mov.b32 c, 0x64006400; "
+                    "sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+                    "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        v = _nibble_codes(raw, HIGH, False).to(tl.float16)
+        if SYM:
+            v = v - 8.0
+    return v
+
+
+@triton.jit
+def group_dot_int32(q8s, qsums, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
+                     ASM: tl.constexpr):
+    """The exact INT32 dot [BH, BN] of group g, equal to `group_dot`'s: asym INT8 codes enter as
+    (byte ^ 0x80) = q − 128; INT4 nibbles enter unsigned as two dots, over the even and the odd channels,
+    and a symmetric part subtracts 8·Σq8 afterwards (Σ q8·(n − 8) = Σ q8·n − 8·Σq8)."""
+    if KIND == 1:
+        raw = tl.load(row[:, None] + (g * G + tl.arange(0, G))[None, :], mask=t_mask[:, None], other=0)
+        if ASYM:
+            raw = raw ^ 0x80
+        dot = tl.dot(q8s[g], tl.trans(raw.to(tl.int8, bitcast=True)), out_dtype=tl.int32)
+    elif G < 64:  # a split dot would have K = G/2 < 32, under the INT8 tl.dot minimum: interleave instead
+        dot = tl.dot(q8s[g], tl.trans(dot_codes(row, t_mask, g, KIND, ASYM, G)), out_dtype=tl.int32)
+    else:
+        raw = tl.load(row[:, None] + (g * (G // 2) + tl.arange(0, G // 2))[None, :], mask=t_mask[:, None],
+                      other=0)
+        lo = _nibble_codes(raw, False, ASM)
+        hi = _nibble_codes(raw, True, ASM)
+        dot = tl.dot(q8s[2 * g], tl.trans(lo), out_dtype=tl.int32)
+        dot = tl.dot(q8s[2 * g + 1], tl.trans(hi), dot, out_dtype=tl.int32)
+        if not ASYM:
+            dot -= 8 * qsums[g][:, None]
+    return dot
 
 
 @triton.jit
 def _part_scores(
-    q_row, h_mask, row, t_mask,
+    q8s, qss, qsums, row, t_mask,
     KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
     SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    """Unscaled scores [BH, BN] fp32 of one row part against the query's matching channels."""
+    """Unscaled scores [BH, BN] fp32 of one row part against the query part of `query_part`."""
     if KIND == 0:
         c = tl.arange(0, W)
-        qh = tl.load(q_row[:, None] + c[None, :], mask=h_mask[:, None], other=0.0).to(tl.float16)
-        k = tl.load((row[:, None] + 2 * c[None, :]).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None],
-                    other=0.0)
-        s = tl.dot(qh, tl.trans(k), out_dtype=tl.float32)
+        k = tl.load(row.to(tl.pointer_type(tl.float16))[:, None] + c[None, :], mask=t_mask[:, None], other=0.0)
+        s = tl.dot(q8s[0], tl.trans(k), out_dtype=tl.float32)
     else:
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for g in tl.static_range(W // G):
-            dot, qs, qsum = group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
+            dot = group_dot_int32(q8s, qsums, row, t_mask, g, KIND, ASYM, G, ASM)
             ks = tl.load((row + SCALE_OFF + 2 * g).to(tl.pointer_type(tl.float16)), mask=t_mask, other=0.0)
             ks = ks.to(tl.float32)
-            s += dot.to(tl.float32) * (qs[:, None] * ks[None, :])
+            s += dot.to(tl.float32) * (qss[g][:, None] * ks[None, :])
             if ASYM:
                 lo = tl.load((row + LO_OFF + 2 * g).to(tl.pointer_type(tl.float16)), mask=t_mask, other=0.0)
                 lo = lo.to(tl.float32)
                 if KIND == 1:
                     lo = lo + 128.0 * ks
-                s += (qsum.to(tl.float32) * qs)[:, None] * lo[None, :]
+                s += (qsums[g].to(tl.float32) * qss[g])[:, None] * lo[None, :]
     return s
 
 
 @triton.jit
-def _part_values(
-    row, t_mask, KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
-    SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr,
+def half_values(
+    row, t_mask, half, KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
+    SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr, ASM: tl.constexpr,
 ):
-    """Dequantized c_kv tile [BN, W] in FP16 (computed in FP32 as the codec's decode)."""
-    c = tl.arange(0, W)
+    """Half `half` (0 or 1) of the dequantized c_kv tile, [BN, W/2] FP16, computed in FP32 as the codec's
+    decode and then rounded: channels half·W/2 + j for fp16 / int8, channels 2j + half (one nibble of every
+    byte) for int4, as `half_channels` lists them. `row` [BN] points at each token's first byte."""
+    j = tl.arange(0, W // 2)
     if KIND == 0:
-        v = tl.load((row[:, None] + 2 * c[None, :]).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None],
-                    other=0.0)
+        # cast the row pointers before adding channels: the loads stay contiguous (128-bit) along them
+        v = tl.load(row.to(tl.pointer_type(tl.float16))[:, None] + (half * (W // 2) + j)[None, :],
+                    mask=t_mask[:, None], other=0.0)
     else:
+        # Symmetric codes are multiplied in FP16: q (|q| ≤ 127) times an FP16 scale is exact in FP32, so
+        # FP16's correctly rounded product equals the FP32 decode rounded to FP16, bit for bit.
+        ctype: tl.constexpr = tl.float32 if ASYM else tl.float16
+        # Column j's group: (half·W/2 + j) // G for int8, (2j + half) // G = j // (G/2) for int4; the half's
+        # columns fall into NG runs of GJ, so one scale (and zero point) per run is loaded and broadcast.
+        GJ: tl.constexpr = min(G if KIND == 1 else G // 2, W // 2)
+        NG: tl.constexpr = W // 2 // GJ
         if KIND == 1:
-            raw = tl.load(row[:, None] + c[None, :], mask=t_mask[:, None], other=0)
+            raw = tl.load(row[:, None] + (half * (W // 2) + j)[None, :], mask=t_mask[:, None], other=0)
             if ASYM:
-                q = raw.to(tl.float32)
+                q = raw.to(ctype)
             else:
-                q = raw.to(tl.int8, bitcast=True).to(tl.float32)
+                q = raw.to(tl.int8, bitcast=True).to(ctype)
+            grp = (half * (W // 2) + tl.arange(0, NG) * GJ) // G
         else:
-            j = tl.arange(0, W // 2)
             raw = tl.load(row[:, None] + j[None, :], mask=t_mask[:, None], other=0)
-            q = tl.interleave((raw & 15).to(tl.float32), (raw >> 4).to(tl.float32))
-            if not ASYM:
-                q = q - 8.0
-        grp = row[:, None] + 2 * (c // G)[None, :]  # byte offset of each channel's group parameter
-        s = tl.load((grp + SCALE_OFF).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None], other=0.0)
-        v = q * s.to(tl.float32)
+            if half == 0:
+                q = _nibble_f16(raw, False, not ASYM, ASM).to(ctype)
+            else:
+                q = _nibble_f16(raw, True, not ASYM, ASM).to(ctype)
+            grp = tl.arange(0, NG)
+        par = row[:, None] + 2 * grp[None, :]  # [BN, NG] byte addresses of the runs' group parameters
+        s = tl.load((par + SCALE_OFF).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None], other=0.0)
+        v = tl.reshape(q, [q.shape[0], NG, GJ]) * s.to(ctype)[:, :, None]
         if ASYM:
-            lo = tl.load((grp + LO_OFF).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None], other=0.0)
-            v = v + lo.to(tl.float32)
+            lo = tl.load((par + LO_OFF).to(tl.pointer_type(tl.float16)), mask=t_mask[:, None], other=0.0)
+            v = v + lo.to(tl.float32)[:, :, None]
+        v = tl.reshape(v, [q.shape[0], W // 2])
     return v.to(tl.float16)
+
+
+@triton.jit
+def half_channels(half, KIND: tl.constexpr, W: tl.constexpr):
+    """Output channels [W/2] of `half_values`' columns."""
+    j = tl.arange(0, W // 2)
+    if KIND == 2:
+        return 2 * j + half
+    return half * (W // 2) + j
 
 
 @triton.jit
@@ -266,45 +460,61 @@ def _partial_kernel(
     C_LOFF: tl.constexpr,
     R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
     R_SOFF: tl.constexpr, R_LOFF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_SPLIT: tl.constexpr, ASM: tl.constexpr,
 ):
-    """Stage 1: one (sequence, head block, chunk) -> normalized partial [BH, d_c] and its LSE [BH]."""
-    b = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """Stage 1: one (head block, value half when D_SPLIT = 2, chunk, sequence) -> normalized partial
+    [BH, d_c] (its half of the channels when split) and the LSE [BH].
+
+    program_id(0) varies fastest, so the programs of one sequence and chunk (head blocks x halves) run side by
+    side and all but the first read the tile from L2. The query is loaded and quantized once, before the
+    loop; each tile's values are dequantized once per program, into the halves it accumulates."""
+    b = tl.program_id(2)
+    split = tl.program_id(1)
+    half0 = tl.program_id(0) % D_SPLIT
+    offs_h = (tl.program_id(0) // D_SPLIT) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
     seq_len = tl.load(lens_ptr + b)
-    start = tl.program_id(2) * chunk_tokens
+    start = split * chunk_tokens
     end = tl.minimum(start + chunk_tokens, seq_len)
     q_row = q_ptr + b * stride_qb + offs_h * stride_qh
+    qc8, qcs, qcsum = query_part(q_row, h_mask, C_KIND, D_C, C_G)
+    qr8, qrs, qrsum = query_part(q_row + D_C, h_mask, R_KIND, R_W, R_G)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, D_C], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)  # the second half, when this program has both
     for t0 in range(start, end, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         t_mask = offs_t < end
         row = tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES)
-        s = _part_scores(q_row, h_mask, row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF,
-                         BLOCK_H, BLOCK_N)
-        s += _part_scores(q_row + D_C, h_mask, row + R_OFF, t_mask, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF,
-                          BLOCK_H, BLOCK_N)
+        s = _part_scores(qc8, qcs, qcsum, row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF,
+                         BLOCK_H, BLOCK_N, ASM)
+        s += _part_scores(qr8, qrs, qrsum, row + R_OFF, t_mask, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF,
+                          BLOCK_H, BLOCK_N, ASM)
         s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _part_values(row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
+        p16 = p.to(tl.float16)
+        v = half_values(row, t_mask, half0, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
+        acc_a = acc_a * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
+        if D_SPLIT == 1:
+            v = half_values(row, t_mask, 1, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
+            acc_b = acc_b * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
         m_i = m_new
 
     # Broadcast before comparing: the interpreter mistypes `bool tensor & bool scalar`.
     live = h_mask & ((start + tl.zeros_like(offs_h)) < seq_len)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    c = tl.arange(0, D_C)
-    out = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + tl.program_id(2) * stride_os + c[None, :]
-    tl.store(out, acc / safe_l[:, None], mask=live[:, None])
+    out = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os
+    tl.store(out + half_channels(half0, C_KIND, D_C)[None, :], acc_a / safe_l[:, None], mask=live[:, None])
+    if D_SPLIT == 1:
+        tl.store(out + half_channels(1, C_KIND, D_C)[None, :], acc_b / safe_l[:, None], mask=live[:, None])
     lse = (m_i + tl.log2(safe_l)) * 0.6931471805599453
-    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh + tl.program_id(2), lse, mask=live)
+    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh + split, lse,
+             mask=live & ((half0 + tl.zeros_like(offs_h)) == 0))
 
 
 @triton.jit
@@ -411,9 +621,33 @@ def _int32(t: Tensor) -> Tensor:
     return t
 
 
-def _resolve_chunk(chunk_tokens: int | None, longest: int, config: KernelConfig) -> int:
-    if chunk_tokens is None:
+def schedule_chunk(config: KernelConfig, batch: int, heads: int, longest: int, n_sm: int | None) -> int:
+    """Split-KV chunk for `batch` sequences of up to `longest` tokens on `n_sm` SMs.
+
+    With SMs (a GPU, or the AOT cost model): a chunk of c pages gives s = ceil(pages / c) splits and
+    programs(s) stage-1 programs, which take ceil(programs / n_sm) waves of c pages each; the chunk is the
+    longest whose waves x pages stays within 10 % of the shortest (fewest partials to write and merge).
+    Without (n_sm None: the interpreter) the configured `split_kv_chunks`."""
+    if not n_sm:
         return config.chunk_for(longest)
+    block_h, _, d_split = config.tile_for(heads, on_gpu=True)
+    per_split = max(1, batch * triton.cdiv(heads, block_h) * d_split)
+    pages = max(1, triton.cdiv(longest, PAGE_TOKENS))
+    cost = {c: triton.cdiv(per_split * triton.cdiv(pages, c), n_sm) * c for c in range(1, pages + 1)}
+    best = min(cost.values())
+    return max(c for c, t in cost.items() if t <= 1.1 * best) * PAGE_TOKENS
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of CUDA device `device_index` (read once)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _resolve_chunk(chunk_tokens: int | None, q: Tensor, longest: int, config: KernelConfig) -> int:
+    if chunk_tokens is None:
+        n_sm = sm_count(q.device.index or 0) if q.is_cuda else None
+        return schedule_chunk(config, q.shape[0], q.shape[1], longest, n_sm)
     if not _valid_chunk(chunk_tokens):
         raise ConfigError(f"mla_decode: chunk_tokens must be a positive multiple of {PAGE_TOKENS}, "
                           f"got {chunk_tokens!r}")
@@ -437,6 +671,50 @@ def supports(codec, on_gpu: bool = True) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, built without running it: `fn[grid](*args, **kwargs)`. `mlaquant.kernels.aot`
+    compiles the same launch for a GPU on the CPU (meta tensors carry shapes and strides)."""
+
+    fn: object
+    grid: tuple[int, int, int]
+    args: tuple
+    kwargs: dict
+
+    def run(self) -> None:
+        self.fn[self.grid](*self.args, **self.kwargs)
+
+
+def stage1_launch(
+    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, scale: float,
+    chunk: int, longest: int, config: KernelConfig, on_gpu: bool,
+) -> tuple[Launch, Tensor, Tensor]:
+    """The stage-1 launch for checked inputs (q contiguous along channels, int32 indices, `chunk` resolved):
+    (launch, partials [B, H, S, d_c] fp32, lse [B, H, S] fp32), both allocated on q's device unwritten."""
+    c, r = codec_parts(codec, on_gpu)
+    bsz, heads = q.shape[:2]
+    n_split = max(1, triton.cdiv(longest, chunk))
+    parts = torch.empty(bsz, heads, n_split, d_c, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bsz, heads, n_split, dtype=torch.float32, device=q.device)
+    block_h, warps, d_split = config.tile_for(heads, on_gpu)
+    grid = (triton.cdiv(heads, block_h) * d_split, n_split, bsz)
+    args = (
+        q, pool, block_table, seq_lens, parts, lse,
+        q.stride(0), q.stride(1), pool.stride(0), block_table.stride(0),
+        parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
+        heads, chunk, float(scale) * _LOG2E,
+    )
+    kwargs = dict(
+        PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, D_C=d_c,
+        C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset,
+        R_KIND=r.kind, R_ASYM=r.asym, R_W=r.width, R_G=r.group, R_OFF=r.offset,
+        R_SOFF=r.scale_offset, R_LOFF=r.lo_offset,
+        BLOCK_H=block_h, BLOCK_N=config.block_n, D_SPLIT=d_split, ASM=on_gpu, num_warps=warps,
+        num_stages=config.num_stages,
+    )
+    return Launch(_partial_kernel, grid, args, kwargs), parts, lse
+
+
 def mla_decode_partials(
     q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, scale: float,
     chunk_tokens: int | None = None, config: KernelConfig | None = None, max_seq_len: int | None = None,
@@ -451,31 +729,36 @@ def mla_decode_partials(
     inputs.check_kernel_layout()
     block_table, seq_lens = inputs.block_table, inputs.seq_lens
     longest = inputs.longest(max_seq_len)
-    chunk = _resolve_chunk(chunk_tokens, longest, config)
-    c, r = codec_parts(codec, on_gpu)
+    chunk = _resolve_chunk(chunk_tokens, q, longest, config)
+    codec_parts(codec, on_gpu)
     if q.dtype == torch.bfloat16 and not on_gpu:
         q = q.float()  # the interpreter has no bf16 arithmetic
     if q.stride(-1) != 1:
         q = q.contiguous()
-    bsz, heads = q.shape[:2]
-    n_split = max(1, triton.cdiv(longest, chunk))
-    parts = torch.empty(bsz, heads, n_split, d_c, dtype=torch.float32, device=q.device)
-    lse = torch.empty(bsz, heads, n_split, dtype=torch.float32, device=q.device)
-    block_h = min(config.block_h, max(1, triton.next_power_of_2(heads))) if not on_gpu else config.block_h
-    grid = (bsz, triton.cdiv(heads, block_h), n_split)
-    if bsz and heads:
-        _partial_kernel[grid](
-            q, pool, block_table, seq_lens, parts, lse,
-            q.stride(0), q.stride(1), pool.stride(0), block_table.stride(0),
-            parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
-            heads, chunk, float(scale) * _LOG2E,
-            PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, D_C=d_c,
-            C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset,
-            R_KIND=r.kind, R_ASYM=r.asym, R_W=r.width, R_G=r.group, R_OFF=r.offset,
-            R_SOFF=r.scale_offset, R_LOFF=r.lo_offset,
-            BLOCK_H=block_h, BLOCK_N=config.block_n, num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+    launch, parts, lse = stage1_launch(q, pool, block_table, seq_lens, codec, d_c, scale, chunk, longest, config,
+                                       on_gpu)
+    if q.shape[0] and q.shape[1]:
+        launch.run()
     return parts, lse, chunk
+
+
+def merge_launch(parts: Tensor, lse_parts: Tensor, seq_lens: Tensor, chunk_tokens: int, block_h: int = 16
+                 ) -> tuple[Launch, Tensor, Tensor]:
+    """The stage-2 launch: (launch, out [B, H, D] fp32, lse [B, H] fp32) for [B, H, S, D] partials."""
+    bsz, heads, _, dim = parts.shape
+    if dim & (dim - 1):
+        raise BackendError(f"merge_gated_fp16: width {dim} must be a power of two")
+    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=parts.device)
+    lse = torch.empty(bsz, heads, dtype=torch.float32, device=parts.device)
+    block_h = min(block_h, max(1, triton.next_power_of_2(heads)))
+    args = (
+        parts, lse_parts, seq_lens, out, lse,
+        parts.stride(0), parts.stride(1), parts.stride(2),
+        lse_parts.stride(0), lse_parts.stride(1), lse_parts.stride(2),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        heads, int(chunk_tokens),
+    )
+    return Launch(_merge_kernel, (bsz, triton.cdiv(heads, block_h), 1), args, dict(D_C=dim, BLOCK_H=block_h)), out, lse
 
 
 def merge_gated_fp16(
@@ -486,21 +769,9 @@ def merge_gated_fp16(
 
     Sequence b merges its first cdiv(seq_lens[b], chunk_tokens) chunks; an empty sequence gives 0, -inf."""
     _check_device(parts)
-    seq_lens = _int32(seq_lens)
-    bsz, heads, _, dim = parts.shape
-    if dim & (dim - 1):
-        raise BackendError(f"merge_gated_fp16: width {dim} must be a power of two")
-    out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=parts.device)
-    lse = torch.empty(bsz, heads, dtype=torch.float32, device=parts.device)
-    block_h = min(block_h, max(1, triton.next_power_of_2(heads)))
-    if bsz and heads:
-        _merge_kernel[(bsz, triton.cdiv(heads, block_h))](
-            parts, lse_parts, seq_lens, out, lse,
-            parts.stride(0), parts.stride(1), parts.stride(2),
-            lse_parts.stride(0), lse_parts.stride(1), lse_parts.stride(2),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            heads, int(chunk_tokens), D_C=dim, BLOCK_H=block_h,
-        )
+    launch, out, lse = merge_launch(parts, lse_parts, _int32(seq_lens), chunk_tokens, block_h)
+    if out.numel():
+        launch.run()
     return out, lse
 
 
@@ -521,11 +792,11 @@ def mla_decode(
         empty = seq_lens == 0
         out, lse = parts[:, :, 0], lse[:, :, 0]
         return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], float("-inf"))
-    return merge_gated_fp16(parts, lse, seq_lens, chunk, config.block_h)
+    return merge_gated_fp16(parts, lse, seq_lens, chunk)
 
 
 __all__ = [
-    "supports",
+    "supports", "Launch", "stage1_launch", "merge_launch",
     "KernelConfig", "load_kernel_config", "mla_decode", "mla_decode_partials", "merge_gated_fp16",
     "interpreter_active", "PAGE_TOKENS",
 ]

@@ -1,0 +1,353 @@
+"""Ahead-of-time inspection of the Triton kernels: compile for a GPU on the CPU, read the machine code, predict.
+
+    mlaquant bench kernels --aot sm_90a,sm_80 [--json PATH]
+
+No GPU is needed: Triton compiles for the named target and its wheel's ptxas assembles the cubin, which
+`cuobjdump --dump-resource-usage` (REG, STACK) and `nvdisasm` (SASS) read. Every variant is compiled exactly as
+a launch would specialize it: the launch is built by the kernel module's own `stage1_launch` / `merge_launch`
+(or the GEMM's tile rule) on meta tensors of the real shapes, and bound by Triton's own argument binder
+(integer arguments divisible by 16 and 16-byte-aligned pointers get `tt.divisibility`, constexprs, the
+launcher's num_warps / num_stages). Shapes: DeepSeek-V3 (d_c 512, d_r 64), H = 128 and H = 16 (one GPU of
+TP-8), B = 32.
+
+Per variant: registers, stack (spill) bytes, STL/LDL count, shared memory, MMA instruction kinds (HGMMA /
+IGMMA = wgmma, HMMA / IMMA = mma.sync), and the main loop: the backward branch span holding the most MMA
+instructions (the largest such span when tied); its static instruction count, its MMA work and, per cached
+token (the loop covers BLOCK_N tokens and runs once per head block of a sequence), SM issue cycles and MMA
+cycles.
+
+Cost model (decode: stage 1 + merge), per device, B sequences of `context` tokens:
+
+    t_hbm   = (B·T·row_bytes + query + partials written) / HBM_BW      each cache byte once from HBM
+    t_l2    = (B·T·row_bytes · head_blocks + ...) / L2_BW             sibling head blocks re-read through L2
+    t_issue = B·T · issue_cycles_per_token / (SMS · CLOCK)            issue = instructions · num_warps / 4
+    t_mma   = B·T · mma_cycles_per_token / (SMS · CLOCK)              mma = flops / (per-SM rate)
+    stage1  = max(t_hbm, t_l2, t_issue, t_mma) · waves,   waves = ceil(P / SMS) / (P / SMS), P = programs
+    merge   = partials read + output written over HBM_BW (when split) ;  + LAUNCH_US per kernel launched
+
+Constants (`DEVICES`): H100 SXM 132 SMs at 1.755 GHz, HBM 3.0 TB/s achieved (3.35 peak), L2 5.5 TB/s;
+H200 the same SMs and L2, HBM 4.3 TB/s achieved (4.8 peak, the same 90 %). Per SM and cycle, wgmma does
+4096 FP16 flops and 8192 INT8 ops (989 / 1979 dense TFLOP/s at 1.83 GHz over 132 SMs); mma.sync is taken at
+half of that (`MMA_SYNC_FACTOR`). Launch 3 µs per kernel.
+
+Limits (it is an estimate from static code, never a measurement): it counts each static instruction of the
+loop once per iteration (predicated-off ones too) and assumes one warp-instruction per scheduler and cycle
+(no latency stalls, no occupancy limit, no bank conflicts), full tiles, every sibling re-read an L2 hit, and
+the terms overlapping perfectly (the max). It does not model the query's quantization outside the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TARGETS = {"sm_90a": 90, "sm_80": 80}
+D_C, D_R = 512, 64
+BATCH = 32
+CONTEXTS = (4096, 32768)
+HEADS = (128, 16)
+# c_kv / k_pe codec pairs a plan can produce: every kind of each part (fp16, int8/int4 sym/asym, row/groups).
+DECODE_CODECS = (
+    "fp16/fp16",
+    "int8-row/int8-row",
+    "int8-row-asym/int8-row-asym",
+    "int8-g64/int8-g64",
+    "int4-row/int4-row",
+    "int4-row-asym/int4-row-asym",
+    "int4-g32/int4-g32",
+    "int4-row/int8-row",
+    "int4-row/fp16",
+)
+GEMM_M = (1, 32, 128)  # decode batches: the W8A8 GEMM's tile rule picks its variant from M
+LAUNCH_US = 3.0
+MMA_SYNC_FACTOR = 0.5
+_MMA = re.compile(r"\b(HGMMA|IGMMA|HMMA|IMMA)\.(\d+)x?(\d*)x?(\d*)")
+_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+
+
+@dataclass(frozen=True)
+class Device:
+    """Cost-model constants of one GPU (module docstring)."""
+
+    sms: int
+    clock_ghz: float
+    hbm_tb_s: float
+    l2_tb_s: float
+    fp16_flops_per_sm_cycle: float = 4096.0
+    int8_ops_per_sm_cycle: float = 8192.0
+
+
+DEVICES = {"H100": Device(132, 1.755, 3.0, 5.5), "H200": Device(132, 1.755, 4.3, 5.5)}
+
+
+@dataclass
+class Variant:
+    """One kernel specialization to compile; `decode` holds what the cost model needs (decode only)."""
+
+    kernel: str
+    label: str
+    heads: int | None
+    launch: object
+    decode: dict = field(default_factory=dict)
+
+
+def _bin(tool: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
+
+
+def compile_launch(launch, arch: int):
+    """Compile `launch` (a `mla_decode.Launch`) for compute capability `arch` the way `fn[grid](...)` would."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.fn
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, spec, opts = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound, spec, opts)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def _mma_flops(mnemonic: str, warps: int) -> tuple[str, float]:
+    """(fp16|int8, flops per program) of one MMA instruction executed once by every warp of the program."""
+    m = _MMA.search(mnemonic)
+    kind, a, b, c = m.group(1), m.group(2), m.group(3), m.group(4)
+    if kind in ("HGMMA", "IGMMA"):  # HGMMA.64x64x16: one per warpgroup
+        mnk = int(a) * int(b) * int(c) * (warps / 4)
+    else:  # HMMA.16816 = m16 n8 k16, one per warp
+        mnk = int(a[:2]) * int(a[2]) * int(a[3:]) * warps
+    return ("int8" if kind.startswith("I") else "fp16"), 2.0 * mnk * (1.0 if "GMMA" in kind else MMA_SYNC_FACTOR)
+
+
+def parse_sass(sass: str) -> tuple[list[tuple[int, str]], dict[str, int]]:
+    """SASS text -> ([(address, instruction)], {label: address of the next instruction})."""
+    instrs, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        lab = _LABEL.match(line.strip())
+        if lab:
+            pending.append(lab.group(1))
+            continue
+        m = _LINE.search(line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            instrs.append((addr, m.group(2).strip()))
+    return instrs, labels
+
+
+def main_loop(sass: str) -> list[str]:
+    """Instructions of the main loop (module docstring), [] when the code has no loop."""
+    instrs, labels = parse_sass(sass)
+    best, best_key = [], (-1, -1)
+    for i, (addr, text) in enumerate(instrs):
+        br = _BRANCH.search(text)
+        if not br or labels.get(br.group(1), addr + 1) > addr:
+            continue
+        start = labels[br.group(1)]
+        body = [t for a, t in instrs[: i + 1] if a >= start]
+        key = (sum(1 for t in body if _MMA.search(t)), len(body))
+        if key > best_key:
+            best, best_key = body, key
+    return best
+
+
+def inspect_cubin(cubin: bytes, warps: int) -> dict:
+    """Registers, stack, spill instructions, MMA kinds and the main loop's cost of one compiled kernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([_bin("cuobjdump"), "--dump-resource-usage", str(path)], check=True,
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([_bin("nvdisasm"), "-c", str(path)], check=True, capture_output=True,
+                              text=True).stdout
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    ops = [t.split()[0] if not t.startswith("@") else t.split()[1] for _, t in parse_sass(sass)[0]]
+    kinds = {k: sum(1 for o in ops if o.startswith(k + ".")) for k in ("HGMMA", "IGMMA", "HMMA", "IMMA")}
+    loop = main_loop(sass)
+    flops = {"fp16": 0.0, "int8": 0.0}
+    for t in loop:
+        if _MMA.search(t):
+            kind, f = _mma_flops(t, warps)
+            flops[kind] += f
+    loop_mma = sorted({_MMA.search(t).group(1) for t in loop if _MMA.search(t)})
+    return {
+        "registers": regs, "stack_bytes": stack,
+        "spill_instructions": sum(1 for o in ops if o.startswith(("STL", "LDL"))),
+        "mma": kinds, "loop_instructions": len(loop), "loop_mma": loop_mma,
+        "loop_fp16_flops": flops["fp16"], "loop_int8_ops": flops["int8"],
+        "ldg128": sum(1 for o in ops if o.startswith("LDG.E.128")),
+    }
+
+
+def _meta(*shape, dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def decode_variants(heads=HEADS, codecs=DECODE_CODECS, config=None) -> list[Variant]:
+    """The stage-1 decode launches (B = 32, 32k context) of every codec pair x head count, plus the merge."""
+    from mlaquant.codecs import LayerCodec
+    from mlaquant.kernels import mla_decode as K
+
+    config = config or K.load_kernel_config()
+    out = []
+    for h in heads:
+        for name in codecs:
+            codec = LayerCodec.from_names(*name.split("/"), D_C, D_R)
+            ctx = max(CONTEXTS)
+            launch, _, _ = _decode_launch(K, codec, h, ctx, config)
+            warps = launch.kwargs["num_warps"]
+            head_blocks = launch.grid[0]  # programs per sequence and chunk (head blocks x value halves)
+            out.append(Variant("mla_decode", name, h, launch, {
+                "codec": codec, "row_bytes": codec.row_bytes, "block_n": launch.kwargs["BLOCK_N"],
+                "warps": warps, "head_blocks": head_blocks, "config": config}))
+        parts = _meta(BATCH, h, 2, D_C, dtype=torch.float32)
+        lse = _meta(BATCH, h, 2, dtype=torch.float32)
+        merge, _, _ = K.merge_launch(parts, lse, _meta(BATCH, dtype=torch.int32), 1024)
+        out.append(Variant("merge", f"d_c {D_C}", h, merge))
+    return out
+
+
+def _decode_launch(K, codec, heads: int, context: int, config, n_sm: int | None = None):
+    q = _meta(BATCH, heads, D_C + D_R, dtype=torch.float16)
+    pool = _meta(BATCH * context // K.PAGE_TOKENS, K.PAGE_TOKENS, codec.row_bytes, dtype=torch.uint8)
+    table = _meta(BATCH, context // K.PAGE_TOKENS, dtype=torch.int32)
+    lens = _meta(BATCH, dtype=torch.int32)
+    chunk = K.schedule_chunk(config, BATCH, heads, context, n_sm)
+    return K.stage1_launch(q, pool, table, lens, codec, D_C, 0.1, chunk, context, config, on_gpu=True)
+
+
+def gemm_variants() -> list[Variant]:
+    """W8A8 GEMM (DeepSeek-V3 o_proj, K 16384 x N 7168) and its row quantizer at the decode batches."""
+    from mlaquant.kernels import int8_gemm as G
+
+    out = []
+    for m in GEMM_M:
+        launch, tiles = G.gemm_launch(_meta(m, 16384, dtype=torch.int8), _meta(7168, 16384, dtype=torch.int8),
+                                      _meta(m, dtype=torch.float32), _meta(7168, dtype=torch.float32),
+                                      _meta(m, 7168, dtype=torch.float16))
+        out.append(Variant("int8_gemm", f"M {m}, tile {tiles}", None, launch))
+    x = _meta(BATCH, 16384, dtype=torch.float16)
+    out.append(Variant("quantize_rows", "K 16384", None, G.quantize_rows_launch(x, None)[0]))
+    return out
+
+
+def predict(stats: dict, v: Variant, device: Device, context: int) -> dict:
+    """Predicted decode time (µs) and its terms for B = 32 sequences of `context` tokens (module docstring)."""
+    from mlaquant.kernels import mla_decode as K
+
+    d = v.decode
+    launch, _, _ = _decode_launch(K, d["codec"], v.heads, context, d["config"], device.sms)
+    programs = math.prod(launch.grid)
+    n_split = launch.args[4].shape[2]
+    tokens = BATCH * context
+    per_token = d["head_blocks"] / d["block_n"]
+    issue = stats["loop_instructions"] * d["warps"] / 4 * per_token
+    mma = (stats["loop_fp16_flops"] / device.fp16_flops_per_sm_cycle
+           + stats["loop_int8_ops"] / device.int8_ops_per_sm_cycle) * per_token
+    cache = tokens * d["row_bytes"]
+    small = BATCH * v.heads * (D_C + D_R) * 2 + BATCH * v.heads * n_split * (D_C + 1) * 4
+    sm_rate = device.sms * device.clock_ghz * 1e3  # cycles per µs over all SMs
+    terms = {
+        "hbm": (cache + small) / (device.hbm_tb_s * 1e6),
+        "l2": (cache * d["head_blocks"] + small) / (device.l2_tb_s * 1e6),
+        "issue": tokens * issue / sm_rate,
+        "mma": tokens * mma / sm_rate,
+    }
+    waves = math.ceil(programs / device.sms) / (programs / device.sms)
+    merge = 0.0
+    if n_split > 1:
+        merge = (BATCH * v.heads * (n_split * (D_C + 1) + D_C) * 4) / (device.hbm_tb_s * 1e6) + LAUNCH_US
+    bound = max(terms, key=terms.get)
+    total = terms[bound] * waves + merge + LAUNCH_US
+    return {"us": total, "bound": bound, "waves": waves, "programs": programs, "splits": n_split,
+            "issue_cycles_per_token": issue, "mma_cycles_per_token": mma, **{f"t_{k}": t for k, t in terms.items()}}
+
+
+_CACHE: dict = {}
+
+
+def inspect_variant(v: Variant, arch: int) -> dict:
+    """Compile and inspect one variant (cached per process: the test suite and the CLI share it)."""
+    key = (v.kernel, v.label, v.heads, arch, repr(sorted(v.launch.kwargs.items())))
+    if key not in _CACHE:
+        compiled = compile_launch(v.launch, arch)
+        stats = inspect_cubin(compiled.asm["cubin"], v.launch.kwargs.get("num_warps", 4))
+        stats["shared_bytes"] = int(compiled.metadata.shared)
+        _CACHE[key] = stats
+    return _CACHE[key]
+
+
+def report(targets: list[str], variants: list[Variant] | None = None) -> list[dict]:
+    """One row per (target, variant): compile stats, and for sm_90 decode rows the predicted times."""
+    variants = variants if variants is not None else decode_variants() + gemm_variants()
+    rows = []
+    for target in targets:
+        if target not in TARGETS:
+            raise ValueError(f"bench kernels --aot: unknown target {target!r} (known: {', '.join(TARGETS)})")
+        for v in variants:
+            stats = inspect_variant(v, TARGETS[target])
+            row = {"target": target, "kernel": v.kernel, "variant": v.label, "heads": v.heads,
+                   "num_warps": v.launch.kwargs.get("num_warps", 4), **stats}
+            row["tile"] = {k: w for k, w in v.launch.kwargs.items() if k.startswith("BLOCK_")}
+            if v.kernel == "mla_decode" and TARGETS[target] == 90:
+                row["predicted"] = {f"{dev} {ctx // 1024}k": predict(stats, v, DEVICES[dev], ctx)
+                                    for dev in DEVICES for ctx in CONTEXTS}
+            rows.append(row)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    """Markdown table of `report` rows (predicted µs with the bound term, B = 32)."""
+    cols = [f"{d} {c // 1024}k" for d in DEVICES for c in CONTEXTS]
+    head = ["target", "kernel", "variant", "H", "tile, warps", "regs", "stack B", "STL/LDL", "smem KiB",
+            "HGMMA/IGMMA/HMMA/IMMA", "loop MMA", "loop instr", "issue cyc/token", "MMA cyc/token"]
+    lines = ["| " + " | ".join(head + [f"µs {c}" for c in cols]) + " |", "|" + "---|" * (len(head) + len(cols))]
+    for r in rows:
+        pred = r.get("predicted") or {}
+        first = next(iter(pred.values()), None)
+        cells = [
+            r["target"], r["kernel"], r["variant"], r["heads"] or "—",
+            "×".join(str(v) for v in r["tile"].values()) + f", {r['num_warps']}", r["registers"], r["stack_bytes"],
+            r["spill_instructions"], f"{r['shared_bytes'] / 1024:.0f}",
+            "/".join(str(r["mma"][k]) for k in ("HGMMA", "IGMMA", "HMMA", "IMMA")),
+            "+".join(r["loop_mma"]) or "—", r["loop_instructions"],
+            f"{first['issue_cycles_per_token']:.0f}" if first else "—",
+            f"{first['mma_cycles_per_token']:.0f}" if first else "—",
+        ] + [f"{pred[c]['us']:.0f} ({pred[c]['bound']})" if pred else "—" for c in cols]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def run(targets: str, json_path: str | None) -> int:
+    """`bench kernels --aot`: print the table; write the rows as JSON where asked."""
+    from mlaquant.atomic import atomic_write
+    from mlaquant.errors import BackendError
+    from mlaquant.kernels import mla_decode as K
+
+    if K.interpreter_active():
+        raise BackendError("bench kernels --aot compiles for a GPU: unset TRITON_INTERPRET (the CPU interpreter "
+                           "replaces the compiler)")
+    rows = report([t.strip() for t in targets.split(",") if t.strip()])
+    text = render(rows)
+    print(text, end="")
+    if json_path:
+        atomic_write(Path(json_path), json.dumps({"model": __doc__, "rows": rows}, indent=2, default=str))
+    return 0
