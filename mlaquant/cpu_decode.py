@@ -90,7 +90,7 @@ class _Part:
     """How one row part (c_kv or k_pe) is read: byte range in the row and, for integer parts, the
     query's quantized form for one sequence (set by `bind`)."""
 
-    def __init__(self, rc: RowCodec, offset: int) -> None:
+    def __init__(self, rc: RowCodec, offset: int, device: torch.device) -> None:
         self.rc, self.offset = rc, offset
         self.is_int = rc.spec.kind in _INT_KINDS
         self.asym = self.is_int and not rc.spec.symmetric
@@ -101,7 +101,8 @@ class _Part:
         # that share its scale (a row-wise part stays one group: every channel has the same scale)
         self.perm = None
         if rc.spec.kind == "int4":
-            self.perm = torch.cat([torch.arange(0, rc.width, 2), torch.arange(1, rc.width, 2)])
+            even, odd = (torch.arange(start, rc.width, 2, device=device) for start in (0, 1))
+            self.perm = torch.cat([even, odd])
             if self.n_g > 1:
                 self.n_g, self.g = 2 * self.n_g, self.g // 2
 
@@ -145,7 +146,7 @@ def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, q8t: T
     """Unscaled scores [t, H] fp32 of an integer part: codes int8 [t, W], s/lo fp32 [t, n_g],
     q8t int8 [n_g, G, H] (the query's groups, transposed), qs fp32 [n_g, 1, H], qlo fp32 [n_g, H]."""
     t, heads = codes.shape[0], q8t.shape[-1]
-    dots = torch.empty(part.n_g, t, heads, dtype=torch.int32)
+    dots = torch.empty(part.n_g, t, heads, dtype=torch.int32, device=codes.device)
     for g in range(part.n_g):
         torch._int_mm(codes[:, g * part.g : (g + 1) * part.g], q8t[g], out=dots[g])
     scores = dots.float().mul_(qs).mul_(s.t().unsqueeze(-1)).sum(0)
@@ -167,9 +168,9 @@ class _Sequence:
             q8t = q8.view(heads, p.n_g, p.g).permute(1, 2, 0).contiguous()  # [n_g, G, H]
             qlo = (q8.view(heads, p.n_g, p.g).sum(-1, dtype=torch.int32).float() * qs).t() if p.asym else None
             self.q.append((q8t, qs.t().unsqueeze(1).contiguous(), qlo))
-        self.m = torch.full((heads,), float("-inf"))
-        self.l = torch.zeros(heads)
-        self.acc = torch.zeros(heads, parts[0].rc.width)
+        self.m = torch.full((heads,), float("-inf"), device=q.device)
+        self.l = torch.zeros(heads, device=q.device)
+        self.acc = torch.zeros(heads, parts[0].rc.width, device=q.device)
 
     def block(self, raw: Tensor) -> None:
         """Fold in the rows raw uint8 [t, row_bytes] (all valid)."""
@@ -183,7 +184,7 @@ class _Sequence:
                 if p is self.parts[0]:
                     values = (codes, s, lo)
             else:
-                rows = p.rc.decode(part, out=torch.empty(raw.shape[0], p.rc.width))
+                rows = p.rc.decode(part, out=torch.empty(raw.shape[0], p.rc.width, device=raw.device))
                 part_scores = rows @ qp
                 if p is self.parts[0]:
                     values = rows
@@ -240,7 +241,7 @@ def _blocks(pool: Tensor, pages: list[int], n_tokens: int, block_tokens: int):
         if chunk == list(range(chunk[0], chunk[0] + len(chunk))):
             raw = pool[chunk[0] : chunk[0] + len(chunk)]
         else:
-            raw = pool.index_select(0, torch.tensor(chunk, dtype=torch.long))
+            raw = pool.index_select(0, torch.tensor(chunk, dtype=torch.long, device=pool.device))
         yield raw.reshape(len(chunk) * block_size, row_bytes)[: n_tokens - i * block_size]
 
 
@@ -258,9 +259,10 @@ def mla_decode_cpu(
     block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B] → out [B, H, d_c] fp32,
     lse [B, H] fp32 (seq_lens 0: out 0, lse −inf). block_tokens: tokens per block (rounded to whole pages)."""
     pages, lens = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c).host_pages()
-    parts = (_Part(codec.ckv, 0), _Part(codec.kpe, codec.layout.kpe_offset))
+    parts = (_Part(codec.ckv, 0, q.device), _Part(codec.kpe, codec.layout.kpe_offset, q.device))
     batch, heads, _ = q.shape
-    out, lse = torch.zeros(batch, heads, d_c), torch.full((batch, heads), float("-inf"))
+    out = torch.zeros(batch, heads, d_c, device=q.device)
+    lse = torch.full((batch, heads), float("-inf"), device=q.device)
     for b, (row, n) in enumerate(zip(pages, lens)):
         if n == 0:
             continue
@@ -290,8 +292,8 @@ def error_bound(
     for b, (qb, kv) in enumerate(zip(q.float(), rows)):
         heads = qb.shape[0]
         if not kv.shape[0]:
-            d_score.append(torch.zeros(heads))
-            d_out.append(torch.zeros(heads, d_c))
+            d_score.append(torch.zeros(heads, device=q.device))
+            d_out.append(torch.zeros(heads, d_c, device=q.device))
             continue
         k_abs = kv.abs()
         bound = (qb.abs() @ k_abs.t()) * 2.0**-20  # [H, T]: FP32 products and sums
@@ -316,6 +318,6 @@ def _digit_bound(q: Tensor, kv: Tensor, codec: LayerCodec, d_c: int, scale: floa
         safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
         sum_q = (kv[:, :d_c].abs() / safe).sum(0)  # [d_c]
     else:
-        sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 8.0) * kv.shape[0])
+        sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 8.0) * kv.shape[0], device=kv.device)
     top = (p * s).amax(-1) / (127.0 * 256.0 * p.sum(-1))  # [H]
     return (torch.exp(4 * ds) * top).unsqueeze(-1) * sum_q
