@@ -53,7 +53,7 @@ from mlaquant.device import add_device_arguments, auto_batch_size, peak_memory, 
 from mlaquant.device import from_args as device_from_args
 from mlaquant.device import settings as device_settings
 from mlaquant.errors import MLAQuantError
-from mlaquant.eval import EvalResult, Evaluator
+from mlaquant.eval import EvalResult, Evaluator, sample_bytes
 from mlaquant.int8_proj import with_int8_projections
 from mlaquant.model import MLAModel, hadamard_signs, latent_rotation, with_latent_rotation
 from mlaquant.plan import LayerPlan, Plan
@@ -563,18 +563,6 @@ def calibrate(
     verified = fall_back(model, measured, search(measured.table, cfg.headroom * cfg.budget), cfg)
     verified = int8_projections(model, measured, narrow(model, measured, verified, cfg), cfg)
     return build_report(model, cfg, sources, (cal, val), measured, verified, t0)
-
-
-def sample_bytes(model: MLAModel | StreamedModel, seq_len: int) -> int:
-    """Working memory one calibration sample of `seq_len` tokens needs on the device (upper estimate):
-    FP32 scores and probabilities [H, T, T], expanded FP32 K/V, FP32 logits / log-probs, and every layer's
-    input hidden state kept by the evaluator's reference (weights' dtype)."""
-    c, T = model.cfg, seq_len
-    h = c.num_attention_heads
-    attention = 2 * h * T * T * 4 + 2 * T * h * (c.qk_head_dim + c.v_head_dim) * 4
-    logits = 3 * T * c.vocab_size * 4
-    hidden = T * c.hidden_size * torch.empty(0, dtype=model.dtype, device="meta").element_size()
-    return attention + logits + hidden * (len(model.layers) + 4)
 
 
 def calibration_batch_size(model: MLAModel | StreamedModel, cfg: CalibrateConfig) -> int:

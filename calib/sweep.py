@@ -44,10 +44,10 @@ from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.data import split_path
 from mlaquant.codecs import CodecError
 from mlaquant.config import ConfigError, load_config, to_dict
-from mlaquant.device import add_device_arguments
+from mlaquant.device import add_device_arguments, auto_batch_size
 from mlaquant.device import from_args as device_from_args
 from mlaquant.errors import MLAQuantError, PlanError
-from mlaquant.eval import Evaluator
+from mlaquant.eval import Evaluator, sample_bytes
 from mlaquant.model import MLAModel
 from mlaquant.peers import PeerSpec, PeerUnavailable, torch_threads
 from mlaquant.plan import Plan
@@ -91,7 +91,7 @@ class SweepConfig:
     samples: int = 16
     seq_len: int = 512
     seed: int = 0
-    batch_size: int = 8
+    batch_size: int | None = None  # samples per evaluation batch; None: from free GPU memory, 8 off CUDA
     peers: tuple = ("transformers", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2", "bnb-nf4")
     peer_group_size: int = 64
     peer_residual_length: int = 128
@@ -105,7 +105,7 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if not self.codecs and not self.peers and not self.budgets:
             raise ConfigError("sweep: nothing to measure (codecs, budgets and peers are all empty)")
-        if self.samples <= 0 or self.seq_len < 2 or self.batch_size <= 0 or self.peer_batch_size <= 0:
+        if self.samples <= 0 or self.seq_len < 2 or (self.batch_size or 1) <= 0 or self.peer_batch_size <= 0:
             raise ConfigError("sweep: need samples > 0, seq_len ≥ 2, batch_size > 0, peer_batch_size > 0")
         if not self.contexts or any(not isinstance(c, int) or c <= 0 for c in self.contexts):
             raise ConfigError(f"sweep: contexts must be positive integers, got {list(self.contexts)}")
@@ -433,6 +433,8 @@ def sweep(
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json; the sweep needs text → tokens")
     data = Path(data) if data is not None else split_path("test")
+    batch = auto_batch_size(model.device, sample_bytes(model, cfg.seq_len), cfg.batch_size, default=8)
+    cfg = dataclasses.replace(cfg, batch_size=batch)
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     for name in (*cfg.codecs, *cfg.window_codecs):
         Plan.uniform(name, len(model.layers)).layer_codecs(d_c, d_r)  # a codec that does not fit the widths

@@ -150,3 +150,16 @@ class Evaluator:
             hook = fake_quant_hook(hook_codecs, window)
             logits = model(ids, hook, start_layer=first_layer, hidden=inputs[first_layer], window=window)[:, :-1]
             scores.add(logits, ids, None if loss_only else ref_logp)
+
+
+def sample_bytes(model: MLAModel, seq_len: int) -> int:
+    """Working memory one evaluated sample of `seq_len` tokens needs on the device (upper estimate; `model`
+    an `MLAModel` or a `StreamedModel`): FP32 scores and probabilities [H, T, T], expanded FP32 K/V, FP32
+    logits / log-probs, and every layer's input hidden state kept by the evaluator's reference (weights'
+    dtype)."""
+    c, T = model.cfg, seq_len
+    h = c.num_attention_heads
+    attention = 2 * h * T * T * 4 + 2 * T * h * (c.qk_head_dim + c.v_head_dim) * 4
+    logits = 3 * T * c.vocab_size * 4
+    hidden = T * c.hidden_size * torch.empty(0, dtype=model.dtype, device="meta").element_size()
+    return attention + logits + hidden * (len(model.layers) + 4)

@@ -59,7 +59,7 @@ from safetensors.torch import save_file
 
 from mlaquant.atomic import atomic_directory
 from mlaquant.codecs import LayerCodec, fp8_static_scale
-from mlaquant.device import add_device_arguments
+from mlaquant.device import add_device_arguments, auto_batch_size
 from mlaquant.device import from_args as device_from_args
 from mlaquant.errors import CheckpointError, MLAQuantError, PlanError
 from mlaquant.plan import Plan
@@ -244,6 +244,7 @@ def _check_out(out: Path, model_dir: Path, plan_dir: Path) -> None:
 
 def measure(model, plan: Plan, scales: list[float], args: argparse.Namespace) -> dict:
     """Test-split metrics of the engine-equivalent cache (and at scale 1.0), on the plan's test samples."""
+    from mlaquant.eval import sample_bytes
     from mlaquant.samples import token_samples
     from mlaquant.stream import StreamedEvaluator
 
@@ -256,7 +257,9 @@ def measure(model, plan: Plan, scales: list[float], args: argparse.Namespace) ->
     samples = args.samples or s.get("test_samples") or 64
     seq_len = args.seq_len or s.get("seq_len") or 512
     tokens = token_samples(model.tokenizer, data, samples, seq_len, s.get("seed", 0) + 2, model.cfg.eos_id)
-    evaluator = StreamedEvaluator(model, tokens, s.get("batch_size") or 8)
+    # on CUDA as many samples as fit half the free memory; elsewhere the plan's own batch size
+    batch = auto_batch_size(model.device, sample_bytes(model, seq_len), None, default=s.get("batch_size") or 8)
+    evaluator = StreamedEvaluator(model, tokens, batch)
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     exported = evaluator.evaluate(engine_codecs(scales, d_c, d_r)).as_dict()
     unscaled = evaluator.evaluate(engine_codecs([1.0] * len(scales), d_c, d_r)).as_dict()

@@ -168,3 +168,18 @@ def test_runtime_allocates_nothing_on_a_fixed_device(tiny_model):
         evaluator = Evaluator(tiny_model, ids, batch_size=1)
         evaluator.evaluate(Plan.uniform("int4", tiny_model.cfg.num_hidden_layers).layer_codecs(32, 8), window=4)
     assert rec.implicit == []
+
+
+def test_batch_size_from_free_memory_on_cuda_else_given_or_default(monkeypatch):
+    from mlaquant import device as dev
+    from mlaquant.eval import sample_bytes
+
+    model = load_model()
+    per = sample_bytes(model, 512)
+    assert dev.auto_batch_size(torch.device("cpu"), per, None, default=8) == 8
+    assert dev.auto_batch_size(torch.device("cpu"), per, 3, default=8) == 3
+    monkeypatch.setattr(dev.torch.cuda, "mem_get_info", lambda device: (10 * per, 80 * per))
+    assert dev.auto_batch_size(torch.device("cuda"), per, None, default=8) == 5  # half of the free memory
+    assert dev.auto_batch_size(torch.device("cuda"), per, 2, default=8) == 2  # given wins
+    monkeypatch.setattr(dev.torch.cuda, "mem_get_info", lambda device: (per, 80 * per))
+    assert dev.auto_batch_size(torch.device("cuda"), per, None, default=8) == 1  # never 0
