@@ -85,9 +85,12 @@ def test_bf16_weights_fp32_latent_and_logits_within_tolerance(models, test_token
     a, b = m32(test_tokens), m16(test_tokens)
     assert b.dtype == torch.float32
     la, lb = a.log_softmax(-1), b.log_softmax(-1)
-    assert (a - b).abs().max() <= BF16_MAX_LOGIT_DIFF
-    assert (la.exp() * (la - lb)).sum(-1).mean() <= BF16_MAX_KL
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= BF16_MIN_TOP1
+    diff, kl = (a - b).abs().max().item(), (la.exp() * (la - lb)).sum(-1).mean().item()
+    top1 = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    print(f"BF16 vs FP32 weights: max |dlogit| {diff:.3f}, mean KL {kl:.2e}, top-1 {top1:.3f}")  # README's numbers
+    assert diff <= BF16_MAX_LOGIT_DIFF
+    assert kl <= BF16_MAX_KL
+    assert top1 >= BF16_MIN_TOP1
     # decode over the INT4 cache with BF16 weights: its logits are FP32 and follow the teacher-forced ones
     session = DecodeSession(m16, plan="int4")
     prefill = session.prefill(test_tokens[:, :64])
