@@ -49,6 +49,8 @@ against them (ragged batch, NaN-filled free slots and blocks, permuted block tab
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from torch import Tensor
 
@@ -263,14 +265,39 @@ def mla_decode_cpu(
     batch, heads, _ = q.shape
     out = torch.zeros(batch, heads, d_c, device=q.device)
     lse = torch.full((batch, heads), float("-inf"), device=q.device)
-    for b, (row, n) in enumerate(zip(pages, lens)):
-        if n == 0:
-            continue
-        seq = _Sequence(q[b], parts, scale)
-        for raw in _blocks(pool, row, n, block_tokens):
-            seq.block(raw)
-        out[b], lse[b] = seq.result()
+
+    def run(group: list[int]) -> None:
+        for b in group:
+            seq = _Sequence(q[b], parts, scale)
+            for raw in _blocks(pool, pages[b], lens[b], block_tokens):
+                seq.block(raw)
+            out[b], lse[b] = seq.result()
+
+    groups = sequence_groups(lens, torch.get_num_threads())
+    if len(groups) <= 1:
+        for group in groups:
+            run(group)
+        return out, lse
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one sequence per core: the per-block ops are too small to split
+    try:
+        with ThreadPoolExecutor(len(groups)) as workers:
+            list(workers.map(run, groups))
+    finally:
+        torch.set_num_threads(threads)
     return out, lse
+
+
+def sequence_groups(lens: list[int], workers: int) -> list[list[int]]:
+    """The non-empty sequences (indices into `lens`) in at most `workers` groups of about equal token
+    counts, longest first onto the lightest group; each group runs on one thread."""
+    groups: list[list[int]] = [[] for _ in range(max(1, workers))]
+    load = [0] * len(groups)
+    for b in sorted((b for b, n in enumerate(lens) if n), key=lambda b: -lens[b]):
+        g = load.index(min(load))
+        groups[g].append(b)
+        load[g] += lens[b]
+    return [g for g in groups if g]
 
 
 def error_bound(

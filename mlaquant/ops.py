@@ -17,8 +17,9 @@ Backends (`Backend`): "torch" is the FP32 reference in this file; "triton" is
 TRITON_INTERPRET=1; "cpu" is the fast CPU path `mlaquant.cpu_decode.mla_decode_cpu` (integer scores, blocked
 P·V, its error bound in its docstring); "auto" picks triton for CUDA tensors when the kernel imports and
 reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors whose longest
-context reaches `CPU_FAST_MIN_CONTEXT` tokens, else torch (below it the fast path's per-sequence blocks cost
-more than the reference's one batched pass: `mlaquant bench decode --batch 1,8 --contexts 256,512,1024`).
+call reads at least `CPU_FAST_MIN_TOKENS` cached tokens (all sequences together), else torch (below it the
+fast path's per-sequence blocks cost more than the reference's one batched pass: `mlaquant bench decode
+--batch 1,16 --contexts 4096,16384`).
 Every backend checks its arguments against the one input contract, `mlaquant.decode_inputs.DecodeInputs`.
 """
 
@@ -37,7 +38,7 @@ from mlaquant.cpu_decode import mla_decode_cpu
 from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
 
-CPU_FAST_MIN_CONTEXT = 1024  # tokens: where the fast CPU path overtakes the reference (module docstring)
+CPU_FAST_MIN_TOKENS = 8192  # cached tokens per call: where the fast CPU path overtakes the reference (docstring)
 
 # op -> (module, function) of its Triton implementation
 KERNELS = {
@@ -146,13 +147,13 @@ def describe_backend(backend: str | Backend, device: torch.device | str) -> str:
     """What `mla_decode(..., backend=backend)` runs on `device`, in words (for reports)."""
     resolved = resolve_backend(backend, device)
     if resolved == Backend.CPU.value and Backend(backend) is Backend.AUTO:
-        return f"auto (cpu fast path from {CPU_FAST_MIN_CONTEXT} tokens of context, torch below)"
+        return f"auto (cpu fast path from {CPU_FAST_MIN_TOKENS} cached tokens per call, torch below)"
     return resolved
 
 
 def _long_enough(seq_lens: Tensor) -> bool:
-    """Whether "auto" on CPU takes the fast path: the longest context reaches `CPU_FAST_MIN_CONTEXT`."""
-    return bool(seq_lens.numel()) and int(seq_lens.max()) >= CPU_FAST_MIN_CONTEXT
+    """Whether "auto" on CPU takes the fast path: the call reads at least `CPU_FAST_MIN_TOKENS` tokens."""
+    return int(seq_lens.sum()) >= CPU_FAST_MIN_TOKENS
 
 
 def mla_decode_reference(

@@ -105,10 +105,10 @@ def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_referen
     fast = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE)
     ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
     assert not torch.equal(fast[0], ref[0])
-    for backend, want in (("cpu", fast), ("torch", ref), ("auto", ref)):  # 33 tokens < CPU_FAST_MIN_CONTEXT
+    for backend, want in (("cpu", fast), ("torch", ref), ("auto", ref)):  # 53 tokens < CPU_FAST_MIN_TOKENS
         for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend=backend), want):
             assert torch.equal(a, b), backend
-    monkeypatch.setattr(ops, "CPU_FAST_MIN_CONTEXT", 33)  # the longest context reaches it: auto goes fast
+    monkeypatch.setattr(ops, "CPU_FAST_MIN_TOKENS", 53)  # the call reads that many: auto goes fast
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
         assert torch.equal(a, b)
 
