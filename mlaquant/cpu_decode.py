@@ -73,6 +73,16 @@ def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     return q8.flatten(-2), qs
 
 
+FAST_MAX_GROUPS = 8  # integer parts with more stored groups run one GEMM per group and block: slower than the reference
+
+
+def prefers(codec: LayerCodec) -> bool:
+    """Whether this path beats the reference on `codec` once a call reads enough tokens: float parts and
+    integer parts of at most `FAST_MAX_GROUPS` stored groups (`mlaquant bench decode --batch 1,16`: int4-g32
+    c_kv, 16 groups, ran slower than the reference at batch 1)."""
+    return all(rc.spec.kind not in _INT_KINDS or rc.layout.n_groups <= FAST_MAX_GROUPS for rc in (codec.ckv, codec.kpe))
+
+
 PROB_STEP = 128.0  # the low int8 digit of a probability weighs 1/128 of the high one
 
 

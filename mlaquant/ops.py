@@ -17,7 +17,8 @@ Backends (`Backend`): "torch" is the FP32 reference in this file; "triton" is
 TRITON_INTERPRET=1; "cpu" is the fast CPU path `mlaquant.cpu_decode.mla_decode_cpu` (integer scores, blocked
 P·V, its error bound in its docstring); "auto" picks triton for CUDA tensors when the kernel imports and
 reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors whose longest
-call reads at least `CPU_FAST_MIN_TOKENS` cached tokens (all sequences together), else torch (below it the
+call reads at least `CPU_FAST_MIN_TOKENS` cached tokens (all sequences together) of a codec it is faster on
+(`cpu_decode.prefers`: no integer part of more than 8 groups), else torch (below it the
 fast path's per-sequence blocks cost more than the reference's one batched pass: `mlaquant bench decode
 --batch 1,16 --contexts 4096,16384`).
 Every backend checks its arguments against the one input contract, `mlaquant.decode_inputs.DecodeInputs`.
@@ -33,6 +34,7 @@ import os
 import torch
 from torch import Tensor
 
+from mlaquant import cpu_decode
 from mlaquant.codecs import LayerCodec
 from mlaquant.cpu_decode import mla_decode_cpu
 from mlaquant.decode_inputs import DecodeInputs
@@ -134,7 +136,7 @@ def mla_decode(
     (cache-sized blocks) need none.
     """
     resolved = resolve_backend(backend, q.device)
-    if resolved == Backend.CPU.value and (Backend(backend) is Backend.CPU or _long_enough(seq_lens)):
+    if resolved == Backend.CPU.value and (Backend(backend) is Backend.CPU or _auto_takes_fast(codec, seq_lens)):
         return mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale)
     if resolved == Backend.TRITON.value and (
         Backend(backend) is not Backend.AUTO or _kernel_reads(codec, q.device)
@@ -147,13 +149,14 @@ def describe_backend(backend: str | Backend, device: torch.device | str) -> str:
     """What `mla_decode(..., backend=backend)` runs on `device`, in words (for reports)."""
     resolved = resolve_backend(backend, device)
     if resolved == Backend.CPU.value and Backend(backend) is Backend.AUTO:
-        return f"auto (cpu fast path from {CPU_FAST_MIN_TOKENS} cached tokens per call, torch below)"
+        return f"auto (cpu fast path from {CPU_FAST_MIN_TOKENS} cached tokens per call where it is faster, else torch)"
     return resolved
 
 
-def _long_enough(seq_lens: Tensor) -> bool:
-    """Whether "auto" on CPU takes the fast path: the call reads at least `CPU_FAST_MIN_TOKENS` tokens."""
-    return int(seq_lens.sum()) >= CPU_FAST_MIN_TOKENS
+def _auto_takes_fast(codec: LayerCodec, seq_lens: Tensor) -> bool:
+    """Whether "auto" on CPU takes the fast path: a codec it is faster on (`cpu_decode.prefers`) and a call
+    reading at least `CPU_FAST_MIN_TOKENS` tokens."""
+    return cpu_decode.prefers(codec) and int(seq_lens.sum()) >= CPU_FAST_MIN_TOKENS
 
 
 def mla_decode_reference(

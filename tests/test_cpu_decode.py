@@ -137,3 +137,18 @@ def test_session_on_fast_path_close_to_reference_and_greedy_equal(tiny_model, pl
     prompt = ids[0, :5].tolist()
     greedy = generate(tiny_model, prompt, 6, plan=plan)[0]
     assert greedy == generate(tiny_model, prompt, 6, plan=plan, backend="torch")[0]
+
+
+def test_auto_keeps_many_group_codecs_on_the_reference(monkeypatch):
+    from mlaquant.cpu_decode import prefers
+
+    assert prefers(LayerCodec.from_names("int4-row", "int8-row", 512, 64))
+    assert prefers(LayerCodec.from_names("int8-g64", "fp16", 512, 64))  # 8 groups
+    assert not prefers(LayerCodec.from_names("int4-g32", "int4-row", 512, 64))  # 16 groups: one GEMM each
+    codec = LayerCodec.from_names("int4-g16", "fp16", D_C, D_R)  # 4 groups at this width
+    monkeypatch.setattr("mlaquant.cpu_decode.FAST_MAX_GROUPS", 2)
+    monkeypatch.setattr(ops, "CPU_FAST_MIN_TOKENS", 1)
+    q, pool, table, lens, _, _ = _cache(codec, [20, 33])
+    ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), ref):
+        assert torch.equal(a, b)
