@@ -4,12 +4,13 @@ copy of the context. Same op and arguments as `mlaquant.ops.mla_decode` (backend
     score[b, h, t] = scale * (q[b, h, :d_c] · c_kv[b, t] + q[b, h, d_c:] · k_pe[b, t])   t < seq_lens[b]
     out[b, h]      = softmax_t(score[b, h]) @ c_kv[b]            lse[b, h] = logsumexp_t(score[b, h])
 
-Each sequence is read in blocks of `BLOCK_TOKENS` tokens (whole pages: a view of the pool when the pages
+Each sequence is read in blocks of `block_tokens_for(codec)` tokens (whole pages: a view of the pool when the pages
 are consecutive, else a copy of those pages only), so every decoded value lives in a cache-sized buffer
 and is used for the scores and for P·V before the next block is read; the softmax runs online across the
 blocks (FP32 running max and sum, flash-style), so a float cache is converted once, not once for the scores
-and again for P·V as a two-pass scheme would (the two-pass variant was not timed). Block size: 1024 tokens
-measured 1.2-1.5x faster than 512 at batch 16 x 4096 tokens on a loaded 2-core machine (per-call overhead).
+and again for P·V as a two-pass scheme would (the two-pass variant was not timed). Block size (blocks of
+512-4096 tokens timed at batch 16 x 4k / 16k): the integer paths are bound by their per-block small ops and
+gain up to 4096 tokens (`INT_BLOCK_TOKENS`); blocks decoded to FP32 stop gaining past 2048 (`BLOCK_TOKENS`).
 
 Scores of an integer part (int8/int4, sym/asym, any grouping). The query is quantized per (token, head,
 group) exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q8 = round_half_even(q /
@@ -38,7 +39,7 @@ Error against the FP32 reference (`mla_decode_reference`, the same quantized cac
            the INT32 dots are exact and the FP32 epilogue adds a few ulps. Float parts: FP32 rounding only.
   P·V      a score error Δs moves each probability by a factor within e^(±2Δs), so |Δout[h, c]| ≤
            (e^(2 Δs) − 1) · max_t |v[t, c]|; FP32 P·V and the online rescaling add ≤ 2^-12 · max_t |v[t, c]|
-           (≤ BLOCK_TOKENS · 2^-24 = 2^-14 within a block's GEMM, a few 2^-24 per block merge, for T < 2^20);
+           (≤ BLOCK_TOKENS · 2^-24 = 2^-13 within a block's FP32 GEMM, a few 2^-24 per block merge, for T < 2^20);
            the two int8 digits of p·s (row-wise integer c_kv) add ≤ e^(4Δs) · max_t(p_t s_t) · Σ_t |q_t,c| /
            (127 · 256 · Σ_t p_t), p_t = e^(score_t − max score), q the codes (`error_bound` computes it).
   lse      |Δlse| ≤ Δs = max_t |Δscore[t]| (+ FP32 rounding).
@@ -57,7 +58,14 @@ from torch import Tensor
 from mlaquant.codecs import LayerCodec, RowCodec
 from mlaquant.decode_inputs import DecodeInputs
 
-BLOCK_TOKENS = 1024  # tokens per block: 1024 x 512 FP32 values = 2 MiB (fewer, larger calls measured faster than 512)
+BLOCK_TOKENS = 2048  # tokens per block when the values are decoded to FP32 (2048 x 512 FP32 values = 4 MiB)
+INT_BLOCK_TOKENS = 4096  # row-wise integer c_kv: P·V on the codes, no FP32 values, so fewer and larger blocks
+
+
+def block_tokens_for(codec: LayerCodec) -> int:
+    """Tokens per block for `codec` (`mlaquant bench decode --batch 16` measured 512 / 1024 / 2048 / 4096)."""
+    ckv = codec.ckv
+    return INT_BLOCK_TOKENS if ckv.spec.kind in _INT_KINDS and ckv.layout.n_groups == 1 else BLOCK_TOKENS
 _INT_KINDS = ("int8", "int4")
 
 
@@ -265,12 +273,14 @@ def mla_decode_cpu(
     codec: LayerCodec,
     d_c: int,
     scale: float,
-    block_tokens: int = BLOCK_TOKENS,
+    block_tokens: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fast CPU `mla_decode` (module docstring): q [B, H, d_c + d_r] float, pool uint8 [num_blocks,
     block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B] → out [B, H, d_c] fp32,
-    lse [B, H] fp32 (seq_lens 0: out 0, lse −inf). block_tokens: tokens per block (rounded to whole pages)."""
+    lse [B, H] fp32 (seq_lens 0: out 0, lse −inf). block_tokens: tokens per block, rounded to whole pages
+    (default `block_tokens_for(codec)`)."""
     pages, lens = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c).host_pages()
+    block_tokens = block_tokens or block_tokens_for(codec)
     parts = (_Part(codec.ckv, 0, q.device), _Part(codec.kpe, codec.layout.kpe_offset, q.device))
     batch, heads, _ = q.shape
     out = torch.zeros(batch, heads, d_c, device=q.device)
