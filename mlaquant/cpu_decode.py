@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from mlaquant.codecs import LayerCodec, RowCodec
-from mlaquant.decode_inputs import DecodeInputs
+from mlaquant.decode_inputs import DecodeInputs, gather_pages
 
 BLOCK_TOKENS = 2048  # tokens per block when the values are decoded to FP32 (2048 x 512 FP32 values = 4 MiB)
 INT_BLOCK_TOKENS = 4096  # row-wise integer c_kv: P·V on the codes, no FP32 values, so fewer and larger blocks
@@ -254,15 +254,10 @@ class _Sequence:
 def _blocks(pool: Tensor, pages: list[int], n_tokens: int, block_tokens: int):
     """Rows uint8 [t, row_bytes] of the first n_tokens tokens on `pages`, block by block (whole pages:
     a view of the pool where the block's pages are consecutive, else a copy of just those pages)."""
-    block_size, row_bytes = pool.shape[1], pool.shape[2]
+    block_size = pool.shape[1]
     per = max(1, block_tokens // block_size)
     for i in range(0, len(pages), per):
-        chunk = pages[i : i + per]
-        if chunk == list(range(chunk[0], chunk[0] + len(chunk))):
-            raw = pool[chunk[0] : chunk[0] + len(chunk)]
-        else:
-            raw = pool.index_select(0, torch.tensor(chunk, dtype=torch.long, device=pool.device))
-        yield raw.reshape(len(chunk) * block_size, row_bytes)[: n_tokens - i * block_size]
+        yield gather_pages(pool, [pages[i : i + per]])[0, : n_tokens - i * block_size]
 
 
 def mla_decode_cpu(

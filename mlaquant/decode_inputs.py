@@ -104,3 +104,19 @@ class DecodeInputs:
                 raise ValueError(f"mla_decode: the Triton kernel reads {name} as int32, got {t.dtype}")
         if self.pool.stride(2) != 1 or self.pool.stride(1) != self.codec.row_bytes:
             raise ValueError("mla_decode: each pool block must be contiguous")
+
+
+def gather_pages(pool: Tensor, pages: list[list[int]]) -> Tensor:
+    """Pages `pages[b]` (block ids, n per sequence) of pool uint8 [num_blocks, block_size, row_bytes], in
+    order → uint8 [B, n * block_size, row_bytes]: a view of the pool when there is one sequence and its
+    pages are consecutive (a sequence filled in order), else whole-page copies."""
+    num_blocks, block_size, row_bytes = pool.shape
+    batch, n = len(pages), len(pages[0])
+    first = pages[0][0] if n else 0
+    if batch == 1 and pages[0] == list(range(first, first + n)) and pool.is_contiguous():
+        return pool[first : first + n].view(1, n * block_size, row_bytes)
+    # whole pages as flat rows of 8-byte words: index_select copies them several times faster than pool[pages]
+    flat = pool.reshape(num_blocks, block_size * row_bytes)
+    flat = flat.view(torch.int64) if flat.shape[1] % 8 == 0 and flat.is_contiguous() else flat
+    index = torch.tensor(pages, dtype=torch.long, device=pool.device).flatten()
+    return flat.index_select(0, index).view(torch.uint8).view(batch, n * block_size, row_bytes)

@@ -37,7 +37,7 @@ from torch import Tensor
 from mlaquant import cpu_decode
 from mlaquant.codecs import LayerCodec
 from mlaquant.cpu_decode import mla_decode_cpu
-from mlaquant.decode_inputs import DecodeInputs
+from mlaquant.decode_inputs import DecodeInputs, gather_pages
 from mlaquant.errors import BackendError
 
 CPU_FAST_MIN_TOKENS = 8192  # cached tokens per call: where the fast CPU path overtakes the reference (docstring)
@@ -183,7 +183,7 @@ def mla_decode_reference(
     pages, lens = inputs.host_pages()
     t_max = max(lens, default=0)
     n_pages = -(-t_max // pool.shape[1])
-    raw = _gather_pages(pool, [row + [0] * (n_pages - len(row)) for row in pages])[:, :t_max]  # [B, T, row_bytes]
+    raw = gather_pages(pool, [row + [0] * (n_pages - len(row)) for row in pages])[:, :t_max]  # [B, T, row_bytes]
     batch, heads, _ = q.shape
     # the two parts are decoded apart and never concatenated: one less pass over the rows per step
     c_kv = scratch.take("c_kv", (batch, t_max, d_c), q.device)
@@ -228,19 +228,3 @@ class Scratch:
             self._buffers.pop(name, None)  # free the old buffer before taking the new one
             buf = self._buffers[name] = torch.empty(grown, device=device)
         return buf[:size].view(shape)
-
-
-def _gather_pages(pool: Tensor, pages: list[list[int]]) -> Tensor:
-    """Pages `pages[b]` (block ids, n per sequence) of pool uint8 [num_blocks, block_size, row_bytes], in
-    order → uint8 [B, n * block_size, row_bytes]: a view of the pool when there is one sequence and its
-    pages are consecutive (a sequence filled in order), else whole-page copies."""
-    num_blocks, block_size, row_bytes = pool.shape
-    batch, n = len(pages), len(pages[0])
-    first = pages[0][0] if n else 0
-    if batch == 1 and pages[0] == list(range(first, first + n)) and pool.is_contiguous():
-        return pool[first : first + n].view(1, n * block_size, row_bytes)
-    # whole pages as flat rows of 8-byte words: index_select copies them several times faster than pool[pages]
-    flat = pool.reshape(num_blocks, block_size * row_bytes)
-    flat = flat.view(torch.int64) if flat.shape[1] % 8 == 0 and flat.is_contiguous() else flat
-    index = torch.tensor(pages, dtype=torch.long, device=pool.device).flatten()
-    return flat.index_select(0, index).view(torch.uint8).view(batch, n * block_size, row_bytes)
