@@ -16,11 +16,11 @@ Backends (`Backend`): "torch" is the FP32 reference in this file; "triton" is
 `mlaquant.kernels.mla_decode.mla_decode` (same signature without `backend`), on CUDA or on CPU under
 TRITON_INTERPRET=1; "cpu" is the fast CPU path `mlaquant.cpu_decode.mla_decode_cpu` (integer scores, blocked
 P·V, its error bound in its docstring); "auto" picks triton for CUDA tensors when the kernel imports and
-reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors whose longest
-call reads at least `CPU_FAST_MIN_TOKENS` cached tokens (all sequences together) of a codec it is faster on
-(`cpu_decode.prefers`: no integer part of more than 8 groups), else torch (below it the
-fast path's per-sequence blocks cost more than the reference's one batched pass: `mlaquant bench decode
---batch 1,16 --contexts 4096,16384`).
+reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors when the call
+reads at least `CPU_FAST_MIN_TOKENS` cached tokens (all sequences together) of a codec it is faster on
+(`cpu_decode.prefers`: no integer part of more than 8 groups), else torch (below that the fast path's
+per-sequence blocks cost more than the reference's one batched pass: `mlaquant bench decode --batch 1,16
+--contexts 4096,16384`).
 Every backend checks its arguments against the one input contract, `mlaquant.decode_inputs.DecodeInputs`.
 """
 
@@ -36,7 +36,6 @@ from torch import Tensor
 
 from mlaquant import cpu_decode
 from mlaquant.codecs import LayerCodec
-from mlaquant.cpu_decode import mla_decode_cpu
 from mlaquant.decode_inputs import DecodeInputs, gather_pages
 from mlaquant.errors import BackendError
 
@@ -137,7 +136,7 @@ def mla_decode(
     """
     resolved = resolve_backend(backend, q.device)
     if resolved == Backend.CPU.value and (Backend(backend) is Backend.CPU or _auto_takes_fast(codec, seq_lens)):
-        return mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale)
+        return cpu_decode.mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale)
     if resolved == Backend.TRITON.value and (
         Backend(backend) is not Backend.AUTO or _kernel_reads(codec, q.device)
     ):
