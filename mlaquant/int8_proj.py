@@ -21,7 +21,7 @@ like a cache codec's: by the calibration search (`int8_matmul` in configs/calibr
 off again layer by layer while the plan is over budget) and by the sweep.
 
 Backends: "torch" sums the INT8 products exactly in FP64, batched over heads; "cpu" runs them as real
-int8 x int8 -> int32 GEMMs (`torch._int_mm`, one per head), exact as long as K · 127² < 2^31 (K < 133 144;
+int8 x int8 -> int32 GEMMs (`torch._int_mm`, one per head), exact as long as K · 127² < 2^31 (K ≤ 133 144;
 longer rows fall back to the FP64 sums), so its results are bit-identical to "torch"; "triton" runs every
 head in one launch (`int8_gemm_grouped`; CUDA, or CPU under TRITON_INTERPRET=1); "auto" picks triton on
 CUDA and cpu on CPU.
@@ -59,7 +59,7 @@ def grouped_int8_matmul(x: Tensor, w_int8: Tensor, w_scale: Tensor, backend: str
     x8, sx, _ = quantize_activation(x.reshape(-1, k))
     x8 = x8.view(-1, g, k)
     if ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.CPU.value and k < INT32_EXACT_K:
-        acc = torch.empty(g, x8.shape[0], w_int8.shape[1], dtype=torch.int32)
+        acc = torch.empty(g, x8.shape[0], w_int8.shape[1], dtype=torch.int32, device=x.device)
         for i in range(g):
             torch._int_mm(x8[:, i], w_int8[i].t(), out=acc[i])  # exact INT32 sums
         acc = acc.transpose(0, 1).float()
