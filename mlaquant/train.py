@@ -88,6 +88,16 @@ class LoopConfig:
     checkpoint_every_s: float = 600.0
     log_every: int = 25
     threads: int = 2
+    # Context extension: from progress `extend_from` ∈ (0, 1) on, train on rows of `extend_seq_len`
+    # tokens, `extend_batch_size` per step (0 = no extension). Validation and test use the longer window.
+    extend_seq_len: int = 0
+    extend_batch_size: int = 2
+    extend_from: float = 1.0
+
+    @property
+    def context(self) -> int:
+        """The longest window the run trains on: `extend_seq_len` when extending, else `seq_len`."""
+        return max(self.seq_len, self.extend_seq_len)
 
 
 @dataclasses.dataclass
@@ -204,7 +214,9 @@ def pack(token_lists: list[list[int]], eos_id: int, seq_len: int) -> torch.Tenso
     return torch.from_numpy(stream[: n * seq_len].astype(np.int64)).view(n, seq_len)
 
 
-@torch.no_grad()
+POSITION_BUCKETS = (0, 256, 512, 1024, 2048, 4096)
+
+
 def split_nll(model, token_lists: list[list[int]], eos_id: int, window: int, batch_size: int = 8) -> tuple[float, int]:
     """Total NLL (nats) of every token of the split, each predicted once with ≤ `window` tokens of context.
 
@@ -212,10 +224,21 @@ def split_nll(model, token_lists: list[list[int]], eos_id: int, window: int, bat
     after the leading eos is a target exactly once (the eos between files counts as a target too).
     Returns (total nats, number of targets).
     """
+    nats, _, valid = position_nll(model, token_lists, eos_id, window, batch_size)
+    return float(nats.sum()), int(valid.sum())
+
+
+@torch.no_grad()
+def position_nll(
+    model, token_lists: list[list[int]], eos_id: int, window: int, batch_size: int = 8
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-target NLL of the split cut as in `split_nll`: (nats [W, window] float64, target ids
+    [W, window] int64, valid [W, window] bool), row w = window w, column p = the target at position p
+    (predicted from p + 1 tokens of context)."""
     stream = torch.tensor([t for ids in token_lists for t in [eos_id, *ids]], dtype=torch.long)
     starts = list(range(0, len(stream) - 1, window))
     model.eval()
-    total, count = 0.0, 0
+    nats_rows, target_rows, valid_rows = [], [], []
     for i in range(0, len(starts), batch_size):
         chunk = [stream[s : s + window + 1] for s in starts[i : i + batch_size]]
         width = max(len(c) for c in chunk)
@@ -228,24 +251,65 @@ def split_nll(model, token_lists: list[list[int]], eos_id: int, window: int, bat
         logits = out.logits.float()  # [B, T, V]
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T]
         valid = mask[:, 1:].bool()
-        total += float(nll[valid].sum())
-        count += int(valid.sum())
-    return total, count
+        pad = window - valid.shape[1]
+        nats_rows.append(torch.nn.functional.pad(nll.double() * valid, (0, pad)))
+        target_rows.append(torch.nn.functional.pad(ids[:, 1:], (0, pad), value=eos_id))
+        valid_rows.append(torch.nn.functional.pad(valid, (0, pad)))
+    return torch.cat(nats_rows), torch.cat(target_rows), torch.cat(valid_rows)
+
+
+def token_bytes(tokenizer) -> torch.Tensor:
+    """UTF-8 bytes each token id stands for, [V] int64 (byte-level BPE: one symbol per byte; the
+    special tokens stand for none)."""
+    vocab = tokenizer.get_vocab()
+    out = torch.zeros(max(vocab.values()) + 1, dtype=torch.long)
+    for piece, i in vocab.items():
+        out[i] = 0 if piece == EOS else len(piece)
+    return out
+
+
+def bucket_metrics(nats: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor, nbytes: torch.Tensor) -> list[dict]:
+    """Loss and bits per byte by target position ([lo, hi) of `POSITION_BUCKETS` within its window),
+    from `position_nll`'s tensors and `token_bytes`; buckets the window does not reach are left out."""
+    out = []
+    window = nats.shape[1]
+    for lo, hi in zip(POSITION_BUCKETS, POSITION_BUCKETS[1:]):
+        if lo >= window:
+            break
+        sel = valid[:, lo:hi]
+        n = int(sel.sum())
+        if n == 0:
+            continue
+        total = float(nats[:, lo:hi].sum())
+        b = int((nbytes[targets[:, lo:hi]] * sel).sum())
+        out.append(
+            {
+                "positions": [lo, min(hi, window)],
+                "tokens": n,
+                "loss": total / n,
+                "bits_per_byte": total / math.log(2) / b,
+            }
+        )
+    return out
 
 
 def evaluate_split(model, tokenizer, files: list[corpus_mod.SourceFile], window: int) -> dict:
-    """Perplexity and bits per byte (total NLL in bits / UTF-8 bytes of the texts) of a split."""
+    """Perplexity and bits per byte (total NLL in bits / UTF-8 bytes of the texts) of a split, with
+    each token seen from ≤ `window` tokens of context, and the same by position bucket (`bucket_metrics`)."""
     eos_id = tokenizer.token_to_id(EOS)
     token_lists = [e.ids for e in tokenizer.encode_batch([f.text for f in files])]
-    nats, count = split_nll(model, token_lists, eos_id, window)
+    nats_t, targets, valid = position_nll(model, token_lists, eos_id, window)
+    nats, count = float(nats_t.sum()), int(valid.sum())
     nbytes = sum(f.nbytes for f in files)
     return {
         "files": len(files),
         "bytes": nbytes,
+        "window": window,
         "tokens": count,
         "loss": nats / count,
         "perplexity": math.exp(nats / count),
         "bits_per_byte": nats / math.log(2) / nbytes,
+        "by_position": bucket_metrics(nats_t, targets, valid, token_bytes(tokenizer)),
     }
 
 
@@ -337,14 +401,16 @@ class Corpus:
 class TrainData:
     """The tokenizer and what it made of the corpus.
 
-    `rows`: the train split packed, files in a seeded order, [N, seq_len] int64; `val_tokens`: the
-    validation split's token ids (at most 32 sequences' worth); `previous`: the records of the runs a
-    warm start continues (oldest first, empty otherwise).
+    `rows`: the train split packed, files in a seeded order, [N, seq_len] int64; `long_rows`: the same
+    stream packed for context extension, [N', extend_seq_len] int64 (None without extension);
+    `val_tokens`: the validation split's token ids (at most 32 windows of the run's context);
+    `previous`: the records of the runs a warm start continues (oldest first, empty otherwise).
     """
 
     tokenizer: object
     eos_id: int
     rows: torch.Tensor
+    long_rows: torch.Tensor | None
     train_bytes: int
     val_tokens: list[list[int]]
     previous: list[dict]
@@ -357,6 +423,7 @@ class LoopState:
 
     t_loop: float
     step: int = 0
+    extended_at: int | None = None
     tokens_seen: int = 0
     history: list[dict] = dataclasses.field(default_factory=list)
     val_history: list[dict] = dataclasses.field(default_factory=list)
@@ -403,13 +470,16 @@ def tokenize(cfg: TrainConfig, corpus: Corpus, init_from: Path | None, log, t_st
     order = np.random.default_rng(cfg.seed).permutation(len(train_texts))
     encoded = tokenizer.encode_batch([train_texts[i] for i in order])
     rows = pack([e.ids for e in encoded], eos_id, cfg.train.seq_len)  # [N, seq_len]
+    ext = cfg.train.extend_seq_len
+    long_rows = pack([e.ids for e in encoded], eos_id, ext) if ext else None  # [N', extend_seq_len]
     train_bytes = sum(f.nbytes for f in corpus.splits["train"])
     log(
         f"tokenizer: vocab {tokenizer.get_vocab_size()}, {rows.numel()} train tokens in {len(rows)} rows "
         f"({train_bytes / rows.numel():.2f} bytes/token), {time.time() - t_start:.0f}s"
     )
     val_tokens = [e.ids for e in tokenizer.encode_batch([f.text for f in corpus.splits["validation"]])]
-    return TrainData(tokenizer, eos_id, rows, train_bytes, _first_tokens(val_tokens, 32 * cfg.train.seq_len), previous)
+    val_tokens = _first_tokens(val_tokens, 32 * cfg.train.context)
+    return TrainData(tokenizer, eos_id, rows, long_rows, train_bytes, val_tokens, previous)
 
 
 def build_model(cfg: TrainConfig, data: TrainData, init_from: Path | None, log):
@@ -472,12 +542,13 @@ def train_step(model, opt: torch.optim.Optimizer, batch: torch.Tensor, lr: float
 def train_loop(
     model, opt: torch.optim.Optimizer, data: TrainData, cfg: TrainConfig, out_dir: str | Path, record: dict, log
 ) -> LoopState:
-    """Stage loop: steps over seeded permutations of `data.rows` until `max_steps` or `time_budget_s`,
-    logging every `log_every` steps; every `checkpoint_every_s` the record is updated, validation
-    measured and a checkpoint saved to `out_dir`."""
+    """Stage loop: steps over seeded permutations of `data.rows` (from progress `extend_from` on, of
+    `data.long_rows`) until `max_steps` or `time_budget_s`, logging every `log_every` steps; every
+    `checkpoint_every_s` the record is updated, validation measured and a checkpoint saved to `out_dir`."""
     loop = cfg.train
     gen = torch.Generator().manual_seed(cfg.seed)
-    perm, cursor = torch.randperm(len(data.rows), generator=gen), 0
+    rows, batch_size = data.rows, loop.batch_size
+    perm, cursor = torch.randperm(len(rows), generator=gen), 0
     state = LoopState(t_loop=time.time())
     last_ckpt = state.t_loop
     window_loss, window_n = 0.0, 0
@@ -485,10 +556,15 @@ def train_loop(
         progress = max(state.step / loop.max_steps, (time.time() - state.t_loop) / loop.time_budget_s)
         if progress >= 1.0:
             break
-        if cursor + loop.batch_size > len(perm):
-            perm, cursor = torch.randperm(len(data.rows), generator=gen), 0
-        batch = data.rows[perm[cursor : cursor + loop.batch_size]]  # [B, seq_len]
-        cursor += loop.batch_size
+        if data.long_rows is not None and rows is data.rows and progress >= loop.extend_from:
+            rows, batch_size = data.long_rows, loop.extend_batch_size
+            perm, cursor = torch.randperm(len(rows), generator=gen), 0
+            state.extended_at = state.step
+            log(f"step {state.step}: context extension to {rows.shape[1]} tokens, batch {batch_size}")
+        if cursor + batch_size > len(perm):
+            perm, cursor = torch.randperm(len(rows), generator=gen), 0
+        batch = rows[perm[cursor : cursor + batch_size]]  # [B, seq_len or extend_seq_len]
+        cursor += batch_size
         lr = lr_at(loop, state.step, progress)
         window_loss += train_step(model, opt, batch, lr, loop.grad_clip)
         window_n += 1
@@ -506,7 +582,7 @@ def train_loop(
             window_loss, window_n = 0.0, 0
         if time.time() - last_ckpt >= loop.checkpoint_every_s:
             _record_progress(record, state)
-            _validate(model, data.val_tokens, data.eos_id, loop.seq_len, state.step, state.val_history, log)
+            _validate(model, data.val_tokens, data.eos_id, loop.context, state.step, state.val_history, log)
             save_checkpoint(model, data.tokenizer, out_dir, record, state.history, state.val_history)
             log(f"checkpoint at step {state.step} -> {out_dir}")
             last_ckpt = time.time()
@@ -526,18 +602,25 @@ def evaluate_and_save(
     log,
 ) -> dict:
     """Stage eval: final validation, with `final_eval` test-split metrics and greedy completions from the
-    saved checkpoint; the record is completed and saved with the model to `out_dir`, and returned."""
-    seq_len = cfg.train.seq_len
+    saved checkpoint; the record is completed and saved with the model to `out_dir`, and returned.
+    The test split is scored with windows of `seq_len` (`test`) and, when the run extends its context,
+    of `extend_seq_len` too (`test_long`)."""
     _record_progress(record, state)
-    _validate(model, data.val_tokens, data.eos_id, seq_len, state.step, state.val_history, log)
+    _validate(model, data.val_tokens, data.eos_id, cfg.train.context, state.step, state.val_history, log)
     record["validation_history"] = state.val_history
-    if final_eval and corpus.splits["test"]:
+    windows = {"test": cfg.train.seq_len, "test_long": cfg.train.extend_seq_len}
+    for key, window in windows.items():
+        if not (final_eval and corpus.splits["test"] and window):
+            continue
         t_eval = time.time()
-        record["test"] = evaluate_split(model, data.tokenizer, corpus.splits["test"], seq_len)
-        record["test"]["eval_s"] = round(time.time() - t_eval, 1)
+        record[key] = evaluate_split(model, data.tokenizer, corpus.splits["test"], window)
+        record[key]["eval_s"] = round(time.time() - t_eval, 1)
+        buckets = ", ".join(
+            f"{b['positions'][0]}-{b['positions'][1]}: {b['bits_per_byte']:.4f}" for b in record[key]["by_position"]
+        )
         log(
-            f"test split: {record['test']['files']} files, ppl {record['test']['perplexity']:.3f}, "
-            f"{record['test']['bits_per_byte']:.4f} bits/byte"
+            f"test split, window {window}: {record[key]['files']} files, ppl {record[key]['perplexity']:.3f}, "
+            f"{record[key]['bits_per_byte']:.4f} bits/byte ({buckets})"
         )
     record["total_wall_s"] = round(time.time() - t_start, 1)
     save_checkpoint(model, data.tokenizer, out_dir, record, state.history, state.val_history)
@@ -603,6 +686,7 @@ def _record_progress(record: dict, state: LoopState) -> None:
         train_wall_s=round(el, 1),
         tokens_per_s=round(state.tokens_seen / max(el, 1e-9), 1),
         final_train_loss=state.history[-1]["loss"] if state.history else None,
+        extended_at_step=state.extended_at,
         history=state.history,
     )
 

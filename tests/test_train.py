@@ -226,3 +226,35 @@ def test_warm_start_continues_from_the_checkpoint(trained, tmp_path):
     assert (tmp_path / "ckpt2" / "tokenizer.json").read_text() == tok_a
     with pytest.raises(MLAQuantError, match="not a checkpoint written by"):
         train_mod.train(cfg, tmp_path / "x", corpus_root=root / "corpus", final_eval=False, init_from=tmp_path)
+
+
+def test_context_extension_switches_to_long_rows_and_scores_by_position(tmp_path):
+    """From `extend_from` on the loop trains on rows of `extend_seq_len`; the test split is scored at both
+    windows, by position bucket, and the buckets' bytes add up to the split's bytes."""
+    data = json.loads(json.dumps(TINY))
+    data["train"].update(max_steps=12, extend_seq_len=128, extend_batch_size=2, extend_from=0.5)
+    cfg = train_mod.load_train_config(data)
+    logs: list[str] = []
+    record = train_mod.train(cfg, tmp_path / "ckpt", corpus_root=_make_corpus(tmp_path / "corpus"), log=logs.append)
+    assert record["extended_at_step"] == 6
+    assert any("context extension to 128 tokens, batch 2" in line for line in logs)
+    assert record["tokens_seen"] == 6 * 4 * 64 + 6 * 2 * 128
+    short, long = record["test"], record["test_long"]
+    assert (short["window"], long["window"]) == (64, 128)
+    assert [b["positions"] for b in long["by_position"]] == [[0, 128]]
+    assert long["by_position"][0]["tokens"] == long["tokens"]
+    assert math.isclose(long["by_position"][0]["bits_per_byte"], long["bits_per_byte"], rel_tol=1e-9)
+
+
+def test_bucket_metrics_split_positions_and_count_bytes():
+    nats = torch.tensor([[1.0] * 300, [2.0] * 300], dtype=torch.float64)
+    valid = torch.ones(2, 300, dtype=torch.bool)
+    valid[1, 290:] = False
+    targets = torch.zeros(2, 300, dtype=torch.long)
+    targets[:, 256:] = 1
+    nbytes = torch.tensor([2, 4])
+    out = train_mod.bucket_metrics(nats * valid, targets, valid, nbytes)
+    assert [b["positions"] for b in out] == [[0, 256], [256, 300]]
+    assert [b["tokens"] for b in out] == [512, 44 + 34]
+    assert math.isclose(out[0]["loss"], 1.5)
+    assert math.isclose(out[1]["bits_per_byte"], (44 + 34 * 2) / math.log(2) / (78 * 4))
