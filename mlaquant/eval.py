@@ -8,6 +8,9 @@ proves it). The reference is the FP16 cache ("fp16" plan) on the same tokens.
     loss  = ppl_plan / ppl_fp16 − 1 = exp(mean NLL_plan − mean NLL_fp16) − 1
     kl    = mean over predicted tokens of KL(p_fp16 ‖ p_plan)          (nats)
     top1  = fraction of predicted tokens whose argmax agrees with FP16's
+
+`by_position` repeats the loss per bucket of target positions ([lo, hi) of `POSITION_EDGES`, the
+position counted from the start of the sample): where in a long context the quantized cache costs.
 """
 
 from __future__ import annotations
@@ -23,10 +26,14 @@ from mlaquant.codecs import LayerCodec
 from mlaquant.errors import MLAQuantError
 from mlaquant.model import MLAModel
 
+# Bucket edges of target positions for `EvalResult.by_position` (a sample of T tokens fills those below T).
+POSITION_EDGES = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
 
 @dataclasses.dataclass
 class EvalResult:
-    """Metrics of one plan on one token set (loss/kl/top1 against the FP16 cache)."""
+    """Metrics of one plan on one token set (loss/kl/top1 against the FP16 cache), and `by_position`:
+    one dict per position bucket {positions: [lo, hi), tokens, nll, loss}."""
 
     nll: float
     ppl: float
@@ -34,6 +41,7 @@ class EvalResult:
     kl: float
     top1: float
     tokens: int
+    by_position: list[dict] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {k: (round(v, 8) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
@@ -42,31 +50,57 @@ class EvalResult:
 @dataclasses.dataclass
 class Scores:
     """Running sums of one plan's evaluation over the predicted tokens (shared by the in-memory and
-    streamed evaluators)."""
+    streamed evaluators and the peers): total NLL, KL and top-1 agreement, and `nll_pos` [T-1] float64,
+    the NLL summed over samples per target position."""
 
     nll: float = 0.0
     kl: float = 0.0
     agree: float = 0.0
+    nll_pos: torch.Tensor | None = None
+    samples: int = 0
 
-    def add(self, logits: torch.Tensor, ids: torch.Tensor, ref_logp: torch.Tensor | None) -> None:
-        """logits [B, T-1, V] predicting ids[:, 1:] ([B, T]); ref_logp (FP16 reference) None = loss only."""
+    def add(self, logits: torch.Tensor, ids: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
+        """logits [B, T-1, V] predicting ids[:, 1:] ([B, T]); ref_logp (FP16 reference) None = loss only.
+        Returns the log-probabilities [B, T-1, V] FP32."""
         logp = F.log_softmax(logits, -1)
-        self.nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
+        target = logp.gather(-1, ids[:, 1:, None])  # [B, T-1, 1]
+        self.nll -= target.sum().item()
+        pos = -target[..., 0].double().sum(0).cpu()  # [T-1]
+        self.nll_pos = pos if self.nll_pos is None else self.nll_pos + pos
+        self.samples += ids.shape[0]
         if ref_logp is not None:
             ref = ref_logp.float()
             self.kl += (ref.exp() * (ref - logp)).sum().item()
             self.agree += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
+        return logp
 
-    def result(self, tokens: int, ref_nll: float, loss_only: bool) -> EvalResult:
+    def result(self, tokens: int, ref: Scores, loss_only: bool) -> EvalResult:
+        """Metrics against the FP16 reference's `ref` over the same `tokens` predicted tokens."""
         nll = self.nll / tokens
         return EvalResult(
             nll=nll,
             ppl=math.exp(nll),
-            loss=math.exp(nll - ref_nll) - 1,
+            loss=math.exp(nll - ref.nll / tokens) - 1,
             kl=math.nan if loss_only else self.kl / tokens,
             top1=math.nan if loss_only else self.agree / tokens,
             tokens=tokens,
+            by_position=self.by_position(ref),
         )
+
+    def by_position(self, ref: Scores) -> list[dict]:
+        """Per bucket of `POSITION_EDGES`: its target positions [lo, hi), tokens, mean NLL and the loss
+        against `ref` on those positions."""
+        out = []
+        width = self.nll_pos.numel()
+        for lo, hi in zip(POSITION_EDGES, POSITION_EDGES[1:]):
+            if lo >= width:
+                break
+            n = self.samples * (min(hi, width) - lo)
+            nll, ref_nll = float(self.nll_pos[lo:hi].sum()) / n, float(ref.nll_pos[lo:hi].sum()) / n
+            out.append(
+                {"positions": [lo, min(hi, width)], "tokens": n, "nll": nll, "loss": math.exp(nll - ref_nll) - 1}
+            )
+        return out
 
 
 def fake_quant_hook(codecs: list[LayerCodec | None], window: int = 0) -> Callable:
@@ -106,24 +140,23 @@ class Evaluator:
         d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
         self.fp16 = [LayerCodec.from_names("fp16", "fp16", d_c, d_r) for _ in model.layers]
         self.tokens = samples.shape[0] * (samples.shape[1] - 1)
-        self.ref_nll = self._reference(progress) / self.tokens
+        self.ref = self._reference(progress)
+        self.ref_nll = self.ref.nll / self.tokens
 
-    def _reference(self, progress) -> float:
+    def _reference(self, progress) -> Scores:
         """Run the FP16-cache reference once, keeping every batch's per-layer inputs (`ref_inputs`) and
-        log-probabilities (`ref_logp`); returns the summed NLL."""
+        log-probabilities (`ref_logp`); returns its scores."""
         self.ref_logp: list[torch.Tensor] = []
         self.ref_inputs: list[list[torch.Tensor]] = []
-        nll = 0.0
+        ref = Scores()
         for ids in self.batches:
             inputs: list[torch.Tensor] = []
             logits = self.model(ids, fake_quant_hook(self.fp16), layer_inputs=inputs)[:, :-1]
-            logp = F.log_softmax(logits, -1)
-            nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
-            self.ref_logp.append(logp.half())
+            self.ref_logp.append(ref.add(logits, ids, None).half())
             self.ref_inputs.append(inputs)
             if progress is not None:
                 progress.update(1)
-        return nll
+        return ref
 
     def evaluate(
         self,
@@ -142,7 +175,7 @@ class Evaluator:
         hook_codecs = [c if c is not None else f for c, f in zip(codecs, self.fp16)]
         scores = Scores()
         self._score(model, hook_codecs, first_layer, window, scores, loss_only)
-        return scores.result(self.tokens, self.ref_nll, loss_only)
+        return scores.result(self.tokens, self.ref, loss_only)
 
     def _score(self, model, hook_codecs: list[LayerCodec], first_layer: int, window: int, scores, loss_only) -> None:
         """Run every batch from `first_layer` with the latents through `hook_codecs`, adding to `scores`."""

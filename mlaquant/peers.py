@@ -23,17 +23,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import math
 import re
 import statistics
 import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from mlaquant.errors import MLAQuantError
-from mlaquant.eval import EvalResult, Evaluator
+from mlaquant.eval import EvalResult, Evaluator, Scores
 
 PEERS = ("transformers", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2", "bnb-nf4")
 _QUANT_RE = re.compile(r"^(quanto|hqq)-int(\d)$")
@@ -90,23 +88,11 @@ def common_group(size: int, *widths: int) -> int:
 
 def score_logits(evaluator: Evaluator, logits: list[torch.Tensor]) -> EvalResult:
     """Metrics of next-token logits [B, T, V] per evaluator batch against its FP16-latent reference
-    (the same definitions as `Evaluator.evaluate`: loss = ppl/ppl_fp16 − 1, KL(fp16 ‖ peer), top-1)."""
-    nll = kl = agree = 0.0
+    (`mlaquant.eval.Scores`, as `Evaluator.evaluate`: loss = ppl/ppl_fp16 − 1, KL(fp16 ‖ peer), top-1)."""
+    scores = Scores()
     for ids, ref_logp, lg in zip(evaluator.batches, evaluator.ref_logp, logits):
-        logp = F.log_softmax(lg[:, :-1].to(ids.device).float(), -1)
-        ref = ref_logp.float()
-        nll -= logp.gather(-1, ids[:, 1:, None]).sum().item()
-        kl += (ref.exp() * (ref - logp)).sum().item()
-        agree += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
-    nll /= evaluator.tokens
-    return EvalResult(
-        nll=nll,
-        ppl=math.exp(nll),
-        loss=math.exp(nll - evaluator.ref_nll) - 1,
-        kl=kl / evaluator.tokens,
-        top1=agree / evaluator.tokens,
-        tokens=evaluator.tokens,
-    )
+        scores.add(lg[:, :-1].to(ids.device).float(), ids, ref_logp)
+    return scores.result(evaluator.tokens, evaluator.ref, loss_only=False)
 
 
 class NF4Codec:
@@ -124,9 +110,7 @@ class NF4Codec:
         from bitsandbytes import functional as bnbf
 
         self._bnbf = bnbf
-        self.blocks = [
-            next((b for b in BNB_BLOCKSIZES if b <= blocksize and w % b == 0), None) for w in (d_c, d_r)
-        ]
+        self.blocks = [next((b for b in BNB_BLOCKSIZES if b <= blocksize and w % b == 0), None) for w in (d_c, d_r)]
         self.widths = (d_c, d_r)
         self.width = d_c + d_r
         probe = torch.randn(4, self.width)

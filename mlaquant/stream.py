@@ -36,13 +36,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mlaquant.codecs import LayerCodec
 from mlaquant.errors import CheckpointError
-from mlaquant.eval import Evaluator, fake_quant_hook
+from mlaquant.eval import Evaluator, Scores, fake_quant_hook
 from mlaquant.loader import TensorReader, read_config, read_parameter, resolve_model_path, weight_files
 from mlaquant.model import DecoderLayer, MLAModel, RMSNorm, RotaryEmbedding, weights_fingerprint, with_latent_rotation
 
@@ -358,20 +357,17 @@ class StreamedEvaluator(Evaluator):
     Keeps the FP16-cache reference's per-layer inputs and log-probabilities in the model's spill pool.
     """
 
-    def _reference(self, progress) -> float:
+    def _reference(self, progress) -> Scores:
         self.ref_inputs: list[Store] = []
         self.ref_logp = Store(self.model.pool)
-        nll = [0.0]
+        ref = Scores()
 
         def reference(b: int, logits: torch.Tensor) -> None:
-            ids = self.batches[b]
-            logp = F.log_softmax(logits[:, :-1], -1)
-            nll[0] -= logp.gather(-1, ids[:, 1:, None]).sum().item()
-            self.ref_logp.append(logp.half())
+            self.ref_logp.append(ref.add(logits[:, :-1], self.batches[b], None).half())
 
         hook = fake_quant_hook(self.fp16)
         self.model.run(self.batches, hook, layer_inputs=self.ref_inputs, on_logits=reference, progress=progress)
-        return nll[0]
+        return ref
 
     def _score(self, model, hook_codecs: list[LayerCodec], first_layer: int, window: int, scores, loss_only) -> None:
         """`Evaluator._score` layer-major over the streamed model (or `model`, e.g. `StreamedModel.rotated`)."""
