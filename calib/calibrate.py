@@ -23,10 +23,13 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
              matmuls, and the fallback is recorded.
 5. report    the plan's loss on the test split, guard bounds from the calibration rows, and an
              atomically written plan directory (plan.yaml + scales.safetensors).
+   long      the plan on test windows of `long_seq_len` tokens (4× the default sample length), loss by
+             position bucket; where it breaks the budget there, the fixes measured on the same tokens
+             (a residual FP16 window, INT8 RoPE keys) are reported — offered, not applied.
 
 Each step is a function of this module, its inputs and outputs in its signature: `observe_variants`,
-`measure`, `search`, `fall_back` (verify), `narrow`, `int8_projections`, `build_report`; `calibrate`
-runs them in that order.
+`measure`, `search`, `fall_back` (verify), `narrow`, `int8_projections`, `build_report` (with
+`long_context`); `calibrate` runs them in that order.
 
 Loss = relative perplexity increase against the FP16 cache, teacher-forced, every token through the
 quantized cache (`mlaquant.eval`).
@@ -35,6 +38,7 @@ quantized cache (`mlaquant.eval`).
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -71,6 +75,12 @@ class CalibrateConfig:
     seq_len: int = 512
     val_samples: int = 32
     test_samples: int = 128
+    # Long-context check on the test split (with test_samples > 0): `long_test_samples` windows of
+    # `long_seq_len` tokens (0 = off);
+    # over budget there, a residual FP16 window of `long_window` rows is one of the fixes measured.
+    long_seq_len: int = 2048
+    long_test_samples: int = 16
+    long_window: int = 128
     budget: float = 0.01
     headroom: float = 0.8
     seed: int = 0
@@ -103,6 +113,8 @@ class CalibrateConfig:
             )
         if self.seq_len < 2 or not 0 < self.headroom <= 1 or not 0.5 < self.percentile <= 1:
             raise ConfigError("calibrate: need seq_len ≥ 2, 0 < headroom ≤ 1, 0.5 < percentile ≤ 1")
+        if min(self.long_seq_len, self.long_test_samples, self.long_window) < 0 or self.long_seq_len == 1:
+            raise ConfigError("calibrate: long_seq_len (0 or ≥ 2), long_test_samples and long_window must be ≥ 0")
         if self.batch_size is not None and self.batch_size <= 0:
             raise ConfigError(f"calibrate: batch_size must be > 0 or null (auto), got {self.batch_size}")
         if "fp16/fp16" not in self.candidates:
@@ -508,10 +520,12 @@ def build_report(
             model.tokenizer, sources.test, cfg.test_samples, cfg.seq_len, cfg.seed + 2, model.cfg.eos_id
         )
         report["test"] = verify(model, evaluator_class(model)(model, test, cfg.batch_size), plan).as_dict()
+    if cfg.test_samples and cfg.long_seq_len and cfg.long_test_samples:
+        report["long_context"] = long_context(model, cfg, sources, plan)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     report |= peak_memory(model.device)
     plan.fallbacks = v.fallbacks
-    plan.metrics = {k: report[k] for k in ("validation", "test") if k in report} | {
+    plan.metrics = {k: report[k] for k in ("validation", "test", "long_context") if k in report} | {
         "bytes_per_token_per_layer": plan.bytes_per_token(d_c, d_r) / len(model.layers),
         "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
         "fp16_bytes_per_token_per_layer": (d_c + d_r) * 2,
@@ -529,6 +543,40 @@ def build_report(
         **device_settings(model.device, model.dtype),
     }
     return plan, report
+
+
+def long_context(model: MLAModel | StreamedModel, cfg: CalibrateConfig, sources: Sources, plan: Plan) -> dict:
+    """Stage long: `plan` on `long_test_samples` test windows of `long_seq_len` tokens [n, long_seq_len]
+    (loss by position bucket). Over `plan.budget` there, the fixes are measured on the same tokens and
+    listed (`long_context_fixes`); the plan itself is left as calibrated."""
+    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    ids = token_samples(
+        model.tokenizer, sources.test, cfg.long_test_samples, cfg.long_seq_len, cfg.seed + 3, model.cfg.eos_id
+    )
+    batch = auto_batch_size(model.device, sample_bytes(model, cfg.long_seq_len), None, default=min(cfg.batch_size, 4))
+    evaluator = evaluator_class(model)(model, ids, batch)
+    result = verify(model, evaluator, plan)
+    out = {"seq_len": int(ids.shape[1]), "result": result.as_dict(), "holds": result.loss <= plan.budget, "fixes": []}
+    if not out["holds"]:
+        for name, fixed, window in long_context_fixes(plan, cfg.long_window):
+            r = evaluator.evaluate(fixed.layer_codecs(d_c, d_r), model=applied(fixed, model), window=window)
+            bits = fixed.bits_per_value(d_c, d_r)
+            out["fixes"].append(
+                {"fix": name, "bits_per_value": round(bits, 4), "loss": r.loss, "holds": r.loss <= plan.budget}
+            )
+    return out
+
+
+def long_context_fixes(plan: Plan, window: int) -> list[tuple[str, Plan, int]]:
+    """What `long_context` measures when a plan breaks its budget at long context: (description, plan,
+    residual window) — the plan with a residual FP16 window of `window` rows, and the plan with every
+    INT4 RoPE-key part widened to int8-row."""
+    wide = copy.deepcopy(plan)
+    for lp in wide.layers:
+        if lp.kpe.startswith("int4"):
+            lp.kpe = "int8-row"
+    fixes = [(f"residual FP16 window of {window} rows (+w{window})", plan, window)] if window else []
+    return fixes + [("k_pe int8-row in every INT4 layer", wide, 0)]
 
 
 def calibrate(
@@ -592,12 +640,27 @@ def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
                 f"\n{split:>10}: loss {r['loss']:+.3%} (ppl {r['ppl']:.3f}), KL {r['kl']:.5f}, "
                 f"top-1 {r['top1']:.2%}, {r['tokens']} tokens"
             )
+    if "long_context" in report:
+        out += "\n" + long_context_lines(report["long_context"], plan.budget)
     out += (
         f"\nbudget {plan.budget:.2%}; {plan.bits_per_value(d_c, d_r):.2f} bits/value; "
         f"{len(plan.fallbacks)} fallback(s); {report['seconds']} s, peak RSS {report['peak_rss_mib']} MiB"
         + (f", peak GPU {report['peak_gpu_mib']} MiB" if "peak_gpu_mib" in report else "")
         + f" ({plan.settings.get('device')}, {plan.settings.get('dtype')} weights)"
     )
+    return out
+
+
+def long_context_lines(long: dict, budget: float) -> str:
+    """The summary's long-context lines: loss at `seq_len` by position bucket, and any fixes measured."""
+    r = long["result"]
+    buckets = ", ".join(f"{b['positions'][0]}–{b['positions'][1]} {b['loss']:+.3%}" for b in r["by_position"])
+    verdict = "within" if long["holds"] else "OVER"
+    out = f"test @{long['seq_len']}: loss {r['loss']:+.3%} ({verdict} budget {budget:.2%}); by position: {buckets}"
+    for f in long["fixes"]:
+        out += f"\n    fix measured: {f['fix']}: {f['loss']:+.3%} at {f['bits_per_value']:.2f} bits/value" + (
+            " (within budget)" if f["holds"] else ""
+        )
     return out
 
 
@@ -646,7 +709,7 @@ def json_summary(plan: Plan, model: MLAModel | StreamedModel, report: dict, out:
         "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
         "bytes_per_token": plan.bytes_per_token(d_c, d_r),
         "layers": layers,
-        **{split: report[split] for split in ("validation", "test") if split in report},
+        **{split: report[split] for split in ("validation", "test", "long_context") if split in report},
         "fallbacks": len(plan.fallbacks),
         "seconds": report["seconds"],
         "peak_rss_mib": report["peak_rss_mib"],

@@ -16,7 +16,9 @@ from mlaquant.errors import MLAQuantError
 from mlaquant.plan import Plan
 from mlaquant.samples import token_samples
 
-SMALL = dict(samples=16, seq_len=128, val_samples=8, test_samples=4, batch_size=8)
+SMALL = dict(
+    samples=16, seq_len=128, val_samples=8, test_samples=4, batch_size=8, long_seq_len=256, long_test_samples=2
+)
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +176,19 @@ def test_narrowing_moves_rank_bytes_saved_per_loss_added():
               for i, q in moves]  # fmt: skip
     assert ratios == sorted(ratios, reverse=True)
     assert all(q < pick[i] for i, q in moves)
+
+
+def test_long_context_check_reports_buckets_and_measures_fixes_when_over_budget(bundled, plan_1pct):
+    plan, report = plan_1pct
+    long = report["long_context"]
+    assert long["seq_len"] == 256 and long["result"]["tokens"] == 2 * 255
+    assert [b["positions"] for b in long["result"]["by_position"]] == [[0, 255]]
+    assert long["holds"] == (long["result"]["loss"] <= 0.01)
+    assert plan.metrics["long_context"] == long
+    tight, tight_report = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.0001), quiet=True)
+    over = tight_report["long_context"]
+    if over["holds"]:
+        pytest.skip("the 0.01 % plan holds at 256 tokens: nothing to fix")
+    fixes = {f["fix"]: f for f in over["fixes"]}
+    assert set(fixes) == {"residual FP16 window of 128 rows (+w128)", "k_pe int8-row in every INT4 layer"}
+    assert fixes["residual FP16 window of 128 rows (+w128)"]["loss"] < over["result"]["loss"]

@@ -105,7 +105,8 @@ def test_moving_a_model_to_bf16_keeps_rope_fp32(tiny_model):
     assert copy.dtype == torch.bfloat16 and copy.rotary.inv_freq.dtype == torch.float32
 
 
-SMALL = dict(samples=16, seq_len=128, val_samples=8, test_samples=8, batch_size=8, narrow_trials=2)
+SMALL = dict(samples=16, seq_len=128, val_samples=8, test_samples=8, batch_size=8, narrow_trials=2,
+             long_test_samples=0)
 
 
 def test_bf16_plan_within_budget_and_decodes_in_fp32(models, tmp_path):

@@ -46,7 +46,7 @@ def ckpt(tmp_path_factory, synthetic) -> Path:
 def fp8_plan(ckpt, tmp_path_factory) -> Path:
     """A calibrated all-fp8 plan (generous budget, so no layer falls back to FP16)."""
     cfg = CalibrateConfig(
-        samples=6, seq_len=32, val_samples=3, test_samples=3, batch_size=3, budget=0.5,
+        samples=6, seq_len=32, val_samples=3, test_samples=3, batch_size=3, budget=0.5, long_test_samples=0,
         candidates=("fp8/fp8", "fp16/fp16"), try_rotation=False,
     )  # fmt: skip
     plan, _ = calibrate(load_model(ckpt), cfg, quiet=True)
