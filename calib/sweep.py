@@ -88,8 +88,8 @@ class SweepConfig:
     calibration_data: str | None = None
     validation_data: str | None = None
     contexts: tuple = (512, 2048, 8192)
-    samples: int = 16
-    seq_len: int = 512
+    samples: int = 8
+    seq_len: int = 2048
     seed: int = 0
     batch_size: int | None = None  # samples per evaluation batch; None: from free GPU memory, 8 off CUDA
     peers: tuple = ("transformers", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2", "bnb-nf4")

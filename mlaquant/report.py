@@ -5,7 +5,9 @@ dims), `tokens`, `reference`, `rows`, `pareto`, `target`, `findings`, `seconds`.
 measured numbers — `bytes_per_token_per_layer`, `bits_per_value`, `metrics` (loss = relative ppl
 increase, KL, top-1, tokens), `decode_tokens_per_s` — and the columns derived from them here
 (`cache_mib` per context, compression against the FP16 latent and against MHA's per-head K/V).
-A row that did not run has `status` "not run: <why>" or "failed: <why>" and no numbers.
+`metrics.by_position` holds the loss per bucket of target positions (`mlaquant.eval.POSITION_EDGES`):
+the report's by-position table and the right panel of sweep.png. A row that did not run has `status`
+"not run: <why>" or "failed: <why>" and no numbers.
 
 Pareto front: rows that no other row beats on both axes (bits per value, relative ppl increase),
 i.e. no row has fewer-or-equal bits *and* lower-or-equal loss with one of them strictly better.
@@ -25,9 +27,7 @@ def is_measured(row: dict) -> bool:
     return row.get("status") == "ok"
 
 
-def cache_bytes_per_layer(
-    row: dict, context: int, bpt: float | None = None, residual_bpt: float | None = None
-):
+def cache_bytes_per_layer(row: dict, context: int, bpt: float | None = None, residual_bpt: float | None = None):
     """One sequence's cache bytes per layer at `context` tokens: quantized rows + any full-precision residual
     (a window of `residual_tokens` rows at `residual_bytes_per_token_per_layer`)."""
     resident = min(context, row.get("residual_tokens", 0))
@@ -47,9 +47,7 @@ def add_derived(row: dict, contexts: list[int], dims: dict, eval_len: int) -> di
     out = {
         **row,
         "eff_bits_per_value": round(8 * cache_bytes_per_layer(row, eval_len) / (eval_len * width), 4),
-        "cache_mib": {
-            str(c): round(dims["layers"] * cache_bytes_per_layer(row, c) / MIB, 4) for c in contexts
-        },
+        "cache_mib": {str(c): round(dims["layers"] * cache_bytes_per_layer(row, c) / MIB, 4) for c in contexts},
         "vs_fp16_latent": round(dims["fp16_latent_bytes"] / bpt, 4),
         "vs_mha_kv": round(dims["mha_kv_bytes"] / bpt, 4),
     }
@@ -238,6 +236,27 @@ def _table(report: dict) -> list[str]:
     return lines
 
 
+def _bucket_name(positions: list[int]) -> str:
+    return f"{positions[0]}–{positions[1]}"
+
+
+def _position_table(report: dict) -> list[str]:
+    """Δppl per position bucket, one row per measured configuration (empty with fewer than two buckets)."""
+    rows = [r for r in report["rows"] if is_measured(r) and len(r["metrics"].get("by_position", [])) > 1]
+    if not rows:
+        return []
+    buckets = [b["positions"] for b in rows[0]["metrics"]["by_position"]]
+    head = ["configuration", "bits/value", *(f"Δppl @ {_bucket_name(b)}" for b in buckets), "Δppl all"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [_pct(b["loss"]) for b in r["metrics"]["by_position"]]
+        cells += ["—"] * (len(buckets) - len(cells))
+        lines.append(
+            f"| {r['label']} | {r['bits_per_value']:.2f} | " + " | ".join(cells) + f" | {_pct(r['metrics']['loss'])} |"
+        )
+    return lines
+
+
 def markdown(report: dict) -> str:
     s, m, tok, dims = report["settings"], report["model"], report["tokens"], report["model"]["dims"]
     T = tok["seq_len"]
@@ -260,12 +279,21 @@ def markdown(report: dict) -> str:
         "",
         *_table(report),
         "",
-        *(
-            f"- {r['label']}: {r['codec']}"
-            for r in report["rows"]
-            if r["kind"] == "calibrated" and is_measured(r)
-        ),
+        *(f"- {r['label']}: {r['codec']}" for r in report["rows"] if r["kind"] == "calibrated" and is_measured(r)),
         "",
+        *(
+            [
+                "## Δppl by position",
+                "",
+                "Each bucket: targets at those positions of their sample (0 = the "
+                "first predicted token), against the FP16 latent cache on the same positions.",
+                "",
+                *_position_table(report),
+                "",
+            ]
+            if _position_table(report)
+            else []
+        ),
         "## Findings",
         "",
         report["findings"],
@@ -319,15 +347,60 @@ def _place_labels(ax, points: list[tuple[float, float, str]], line_px: float = 9
 
 
 def plot_sweep(report: dict, path: Path) -> None:
-    """Δppl % against bits per value: a labelled marker per row, the budget line, the Pareto front."""
+    """Left: Δppl % against bits per value, a labelled marker per row, the budget line, the Pareto front.
+    Right (where rows carry position buckets): Δppl % per position bucket, one line per row."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["rows"] if is_measured(r)]
+    by_pos = [r for r in rows if len(r["metrics"].get("by_position", [])) > 1]
+    if by_pos:
+        fig, (ax, ax_pos) = plt.subplots(1, 2, figsize=(18, 7), gridspec_kw={"width_ratios": [11, 7]})
+        _plot_positions(ax_pos, by_pos, report)
+    else:
+        fig, ax = plt.subplots(figsize=(11, 7))
+    _plot_tradeoff(ax, rows, report)
+    _save_png(fig, path)
+
+
+def _plot_positions(ax, rows: list[dict], report: dict) -> None:
+    """Δppl % per position bucket (x: the bucket's span of positions), a line per row; calibrated plans bold."""
+    import matplotlib
+
     budget = 100 * report["settings"]["target_budget"]
-    fig, ax = plt.subplots(figsize=(11, 7))
+    for r in rows:
+        buckets = r["metrics"]["by_position"]
+        xs = list(range(len(buckets)))
+        calibrated = r["kind"] == "calibrated"
+        ax.plot(
+            xs,
+            [100 * b["loss"] for b in buckets],
+            marker=MARKERS[r["kind"]],
+            lw=2.5 if calibrated else 1,
+            ms=8 if calibrated else 4,
+            alpha=1.0 if calibrated else 0.7,
+            label=r["label"],
+        )
+    buckets = rows[0]["metrics"]["by_position"]
+    ax.set_xticks(range(len(buckets)), [_bucket_name(b["positions"]) for b in buckets])
+    ax.axhline(budget, color="tab:red", ls="--", lw=1)
+    losses = [abs(100 * b["loss"]) for r in rows for b in r["metrics"]["by_position"] if b["loss"] != 0]
+    ax.set_yscale("symlog", linthresh=max(min(losses, default=0.01), 1e-3))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("target position in the sample (bucket)")
+    ax.set_ylabel("Δppl against the FP16 latent cache on those positions (%)")
+    ax.set_title("Δppl by context position")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _plot_tradeoff(ax, rows: list[dict], report: dict) -> None:
+    """The sweep's main panel: Δppl % against bits per value at the evaluated length."""
+    import matplotlib
+
+    budget = 100 * report["settings"]["target_budget"]
     for kind, marker in MARKERS.items():
         pts = [r for r in rows if r["kind"] == kind]
         if pts:
@@ -352,15 +425,13 @@ def plot_sweep(report: dict, path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel(
-        f"bits per cached value at T={report['tokens']['seq_len']} "
-        "(scales, zero points, FP residuals included)"
+        f"bits per cached value at T={report['tokens']['seq_len']} (scales, zero points, FP residuals included)"
     )
     ax.set_ylabel("Δppl against the FP16 latent cache (%)")
     ax.set_title(f"mlaquant sweep — {report['reference']['tokens']} test tokens")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="lower left")
     _place_labels(ax, [(r[BITS], 100 * r["metrics"]["loss"], r["label"]) for r in rows])
-    _save_png(fig, path)
 
 
 def plot_memory(report: dict, path: Path) -> None:

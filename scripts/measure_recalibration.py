@@ -1,12 +1,13 @@
 """Does the guard's clip-range re-estimation (`recalibrate_every`) help? Step-decode held-out text through a
 calibrated plan with it off and on, and compare perplexity against the FP16 cache on the same tokens.
 
-    python scripts/measure_recalibration.py --plan plans/default [--clip-all] [--samples 8 --seq-len 1024 --every 64]
+    python scripts/measure_recalibration.py --plan plans/default [--clip-all] [--samples 8 --seq-len 2048 --every 64]
 
 Every sequence is prefilled with its first `--prefill` tokens, then decoded teacher-forced one token at a
 time (the guard sees every new row), so each later token's NLL comes from the quantized cache as it is
-at that step. Sequences longer than the model's training length (512 for the bundled model) make the
-late rows drift away from the calibration data, which is the case re-estimation is meant for.
+at that step. Sequences longer than the calibration samples (512 tokens by default; 2048 = 4x) make the
+late rows drift away from the calibration data, which is the case re-estimation is meant for. Each run's
+loss is also given per bucket of target positions (`mlaquant.eval.POSITION_EDGES`).
 Prints a markdown table; `--out` also writes it as JSON.
 """
 
@@ -22,20 +23,32 @@ from tqdm import tqdm
 
 from mlaquant import DecodeSession, load_model
 from mlaquant.calib.data import split_path
+from mlaquant.eval import POSITION_EDGES
 from mlaquant.guard import Guard
 from mlaquant.plan import Plan
 from mlaquant.samples import token_samples
 
 
-def decode_nll(model, plan, ids: torch.Tensor, prefill: int, guard: Guard | None) -> tuple[float, int]:
-    """Summed NLL of ids[:, prefill:] given everything before, step-decoded; (nll, tokens)."""
+def decode_nll(model, plan, ids: torch.Tensor, prefill: int, guard: Guard | None) -> torch.Tensor:
+    """NLL of ids[:, prefill:] given everything before, step-decoded, summed over sequences per target
+    position: [T - prefill] float64 (entry j = position prefill + j - 1 counted from the first target)."""
     session = DecodeSession(model, plan=plan, backend="torch", guard=guard)
     logits = session.prefill(ids[:, :prefill])[:, -1]
-    nll = 0.0
+    nll = torch.zeros(ids.shape[1] - prefill, dtype=torch.float64)
     for t in tqdm(range(prefill, ids.shape[1]), desc=f"decode ({'guard' if guard else 'no guard'})", leave=False):
-        nll -= F.log_softmax(logits, -1).gather(-1, ids[:, t, None]).sum().item()
+        nll[t - prefill] = -F.log_softmax(logits, -1).gather(-1, ids[:, t, None]).double().sum()
         logits = session.decode(ids[:, t])
-    return nll, ids.shape[0] * (ids.shape[1] - prefill)
+    return nll
+
+
+def buckets(nll: torch.Tensor, ref: torch.Tensor, first: int) -> dict[str, float]:
+    """Loss against `ref` per position bucket; entry j of both is target position `first` + j."""
+    out = {}
+    for lo, hi in zip(POSITION_EDGES, POSITION_EDGES[1:]):
+        a, b = max(lo - first, 0), min(hi - first, nll.numel())
+        if a < b:
+            out[f"{lo}–{first + b}"] = math.exp(float(nll[a:b].mean() - ref[a:b].mean())) - 1
+    return out
 
 
 def main() -> None:
@@ -43,7 +56,7 @@ def main() -> None:
     p.add_argument("--plan", default="plans/default")
     p.add_argument("--model", default=None)
     p.add_argument("--samples", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--prefill", type=int, default=64)
     p.add_argument("--every", type=int, default=64, help="recalibrate_every for the 'on' row")
     p.add_argument("--rows", type=int, default=512, help="recalibrate_rows for the 'on' row")
@@ -70,16 +83,23 @@ def main() -> None:
             Guard({"recalibrate_every": args.every, "recalibrate_rows": args.rows}),
         ),
     }
-    rows = []
+    rows, per_position = [], []
     for name, (plan, guard) in runs.items():
-        nll, n = decode_nll(model, plan, ids, args.prefill, guard)
+        nll = decode_nll(model, plan, ids, args.prefill, guard)
+        per_position.append(nll)
         updates = len(guard.recalibrations) if guard else 0
-        rows.append({"run": name, "nll": nll / n, "tokens": n, "recalibrations": updates})
+        n = ids.shape[0] * nll.numel()
+        rows.append({"run": name, "nll": float(nll.sum()) / n, "tokens": n, "recalibrations": updates})
     base = rows[0]["nll"]
-    print("| run | ppl | vs FP16 cache | clip-range updates |\n|---|---:|---:|---:|")
-    for r in rows:
+    for r, nll in zip(rows, per_position):
         r["loss"] = math.exp(r["nll"] - base) - 1
-        print(f"| {r['run']} | {math.exp(r['nll']):.3f} | {r['loss']:+.3%} | {r['recalibrations']} |")
+        r["by_position"] = buckets(nll, per_position[0], args.prefill - 1)
+    names = list(rows[0]["by_position"])
+    print("| run | ppl | vs FP16 cache | " + " | ".join(f"@ {b}" for b in names) + " | clip-range updates |")
+    print("|---|---:|---:|" + "---:|" * len(names) + "---:|")
+    for r in rows:
+        cells = " | ".join(f"{r['by_position'][b]:+.3%}" for b in names)
+        print(f"| {r['run']} | {math.exp(r['nll']):.3f} | {r['loss']:+.3%} | {cells} | {r['recalibrations']} |")
     print(f"{args.samples} test sequences × {args.seq_len} tokens, prefill {args.prefill}, {rows[0]['tokens']} decoded")
     if args.out:
         with open(args.out, "w") as f:

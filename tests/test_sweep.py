@@ -19,7 +19,7 @@ from mlaquant.calib.sweep import SweepRun, load_sweep_config, sweep
 from mlaquant.eval import Evaluator
 from mlaquant.loader import load_model
 from mlaquant.plan import Plan
-from mlaquant.report import dominates, pareto_front, target_verdict
+from mlaquant.report import dominates, pareto_front, target_verdict, write_report
 from mlaquant.samples import token_samples
 
 WORDS = [
@@ -358,3 +358,28 @@ def test_sweep_calibrates_its_plans_once(setup, tmp_path, monkeypatch):
     monkeypatch.setattr("mlaquant.calib.sweep.calibrate", refuse)
     again = sweep(setup["model"], cfg, tmp_path / "out", root / "test.txt", quiet=True)
     assert again["resumed_rows"] == len(again["rows"]) == 3
+
+
+def test_every_row_carries_position_buckets_and_the_report_shows_them(setup, tmp_path):
+    """Rows (peers included) carry loss per position bucket; with several buckets report.md gains the
+    by-position table and sweep.png its second panel."""
+    import copy
+
+    import matplotlib.image
+
+    report = copy.deepcopy(setup["report"])
+    measured = [r for r in report["rows"] if r["status"] == "ok"]
+    for r in measured:
+        assert [b["positions"] for b in r["metrics"]["by_position"]] == [[0, 31]]
+        assert r["metrics"]["by_position"][0]["loss"] == pytest.approx(r["metrics"]["loss"], abs=1e-6)  # total: FP32 sums
+    for r in measured:  # three buckets, as a long sample would give
+        b = r["metrics"]["by_position"][0]
+        r["metrics"]["by_position"] = [{**b, "positions": [lo, hi]} for lo, hi in ((0, 8), (8, 16), (16, 31))]
+    one = write_report(setup["report"], tmp_path / "one")
+    three = write_report(report, tmp_path / "three")
+    md = three["report.md"].read_text()
+    assert "## Δppl by position" in md
+    assert "| configuration | bits/value | Δppl @ 0–8 | Δppl @ 8–16 | Δppl @ 16–31 | Δppl all |" in md
+    assert "## Δppl by position" not in one["report.md"].read_text()
+    wide, narrow = (matplotlib.image.imread(p["sweep.png"]) for p in (three, one))
+    assert wide.shape[1] > 1.4 * narrow.shape[1]
