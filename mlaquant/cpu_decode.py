@@ -16,9 +16,10 @@ Scores of an integer part (int8/int4, sym/asym, any grouping). The query is quan
 group) exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q8 = round_half_even(q /
 qs)); per group one int8 x int8 -> int32 `torch._int_mm` (oneDNN, VNNI where the CPU has it) of the
 block's codes with q8, exact; then in FP32 `qs * s * dot` (+ `qs * lo' * Σq8` for asymmetric groups).
-Codes enter the GEMM in the kernel's dot form: sym int8 as stored (a view, no copy), asym int8 as q − 128
-(one XOR of the byte with 0x80) with lo' = lo + 128 s, int4 nibbles unpacked to int8 as q − 8 (asymmetric:
-lo' = lo + 8 s).
+Codes enter the GEMM as int8: sym int8 as stored (a view, no copy), asym int8 as q − 128 (one XOR of the
+byte with 0x80) with lo' = lo + 128 s; int4 nibbles unsigned (0..15, unpacked eight at a time in 64-bit
+words: one AND, one shift, one AND) with lo' = lo (asymmetric) or lo' = −8 s (symmetric: x − 8 = q), so
+every int4 part takes the zero-point term (+ `qs * lo' * Σq8`), which is exact integer arithmetic too.
 A float part (fp16, bf16, fp32, fp8) is decoded by its codec into an FP32 block and multiplied in FP32.
 
 P·V. A row-wise integer c_kv part (one scale s_t per row) is never dequantized: the scaled probabilities
@@ -114,6 +115,8 @@ class _Part:
         self.rc, self.offset = rc, offset
         self.is_int = rc.spec.kind in _INT_KINDS
         self.asym = self.is_int and not rc.spec.symmetric
+        # the part's values are codes · s + lo' (lo' per group) rather than codes · s: asym, and every int4 part
+        self.zero = self.asym or rc.spec.kind == "int4"
         lay = rc.layout
         self.n_g, self.g = (lay.n_groups, lay.group_size) if self.is_int else (1, rc.width)
         # int4 codes are unpacked as [low nibbles | high nibbles]: channel order `perm` (even channels, then
@@ -137,60 +140,88 @@ class _Part:
         return vals if n == self.n_g else torch.cat([vals, vals], dim=1)  # half-groups share their group's
 
     def params(self, part: Tensor) -> tuple[Tensor, Tensor | None]:
-        """FP16 scales and dot-form zero points lo' of an integer part's bytes → fp32 [t, n_g] each."""
+        """FP16 scales and the zero points lo' of the codes as `codes` gives them (None without `zero`) of
+        an integer part's bytes → fp32 [t, n_g] each."""
         lay = self.rc.layout
         s = self._stored(part, lay.scale_offset)
-        if not self.asym:
+        if not self.zero:
             return s, None
-        return s, self._stored(part, lay.zero_offset) + (128.0 if lay.spec.kind == "int8" else 8.0) * s
+        if lay.spec.kind == "int4":
+            return s, self._stored(part, lay.zero_offset) if self.asym else s * -8.0
+        return s, self._stored(part, lay.zero_offset) + 128.0 * s
 
     def codes(self, part: Tensor) -> Tensor:
-        """Dot-form int8 codes [t, W] of an integer part (sym int8: a strided view of the block; int4: in
-        the channel order `perm`)."""
+        """int8 codes [t, W] of an integer part (sym int8: a strided view of the block; asym int8: q − 128;
+        int4: the unsigned nibbles in the channel order `perm`, [low nibbles | high nibbles])."""
         rc, raw = self.rc, part[:, : self.rc.layout.code_bytes]
         if rc.spec.kind == "int8":
             return raw.view(torch.int8) if rc.spec.symmetric else (raw ^ 0x80).view(torch.int8)
-        return torch.cat([raw & 0x0F, raw >> 4], dim=1).view(torch.int8).sub_(8)
+        return unpack_nibbles(raw)
 
     def quantized_query(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """`quantize_query` of the part's query x [H, W] with the stored grouping, in the codes' channel
-        order: (q8 int8 [H, W], qs fp32 [H, n_g])."""
+        """`quantize_query` of the part's query x [..., H, W] with the stored grouping, in the codes' channel
+        order: (q8 int8 [..., H, W], qs fp32 [..., H, n_g])."""
         q8, qs = quantize_query(x, self.rc.layout.group_size)
         if self.perm is None:
             return q8, qs
-        return q8.index_select(1, self.perm), (qs if qs.shape[1] == self.n_g else torch.cat([qs, qs], dim=1))
+        return q8.index_select(-1, self.perm), (qs if qs.shape[-1] == self.n_g else torch.cat([qs, qs], dim=-1))
+
+    def query(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor, Tensor | None]:
+        """The part's query x [B, H, W] as the blocks use it, for all sequences at once: FP32 [B, H, W] for
+        a float part; for an integer part (q8 int8 [B, n_g, H, G], qs fp32 [B, n_g, H, 1], qlo fp32
+        [B, H, n_g] or None)."""
+        if not self.is_int:
+            return x.contiguous()
+        batch, heads, _ = x.shape
+        q8, qs = self.quantized_query(x)  # [B, H, W], [B, H, n_g]
+        groups = q8.view(batch, heads, self.n_g, self.g)
+        qlo = (groups.sum(-1, dtype=torch.int32).float() * qs).contiguous() if self.zero else None
+        return groups.transpose(1, 2).contiguous(), qs.transpose(1, 2).unsqueeze(-1).contiguous(), qlo
+
+
+NIBBLES = 0x0F0F0F0F0F0F0F0F  # the low nibble of each byte of a 64-bit word
+
+
+def unpack_nibbles(raw: Tensor) -> Tensor:
+    """Packed int4 codes uint8 [t, n] (channel 2i in the low nibble of byte i) → unsigned codes int8
+    [t, 2n] = [low nibbles | high nibbles], eight bytes per 64-bit operation where n % 8 == 0."""
+    t, n = raw.shape
+    if n % 8:
+        return torch.cat([raw & 0x0F, raw >> 4], dim=1).view(torch.int8)
+    words = torch.empty(t, n, dtype=torch.uint8, device=raw.device).copy_(raw).view(torch.int64)  # [t, n / 8], aligned
+    out = torch.empty(t, 2 * words.shape[1], dtype=torch.int64, device=raw.device)
+    w = words.shape[1]
+    torch.bitwise_and(words, NIBBLES, out=out[:, :w])
+    torch.bitwise_right_shift(words, 4, out=out[:, w:])
+    out[:, w:].bitwise_and_(NIBBLES)
+    return out.view(torch.int8)
 
 
 def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, q8t: Tensor, qs: Tensor,
                 qlo: Tensor | None) -> Tensor:
-    """Unscaled scores [t, H] fp32 of an integer part: codes int8 [t, W], s/lo fp32 [t, n_g],
-    q8t int8 [n_g, G, H] (the query's groups, transposed), qs fp32 [n_g, 1, H], qlo fp32 [n_g, H]."""
-    t, heads = codes.shape[0], q8t.shape[-1]
-    dots = torch.empty(part.n_g, t, heads, dtype=torch.int32, device=codes.device)
+    """Unscaled scores [H, t] fp32 of an integer part: codes int8 [t, W], s/lo fp32 [t, n_g],
+    q8t int8 [n_g, H, G] (the query's groups), qs fp32 [n_g, H, 1], qlo fp32 [H, n_g]."""
+    t, heads = codes.shape[0], q8t.shape[1]
+    dots = torch.empty(part.n_g, heads, t, dtype=torch.int32, device=codes.device)
     for g in range(part.n_g):
-        torch._int_mm(codes[:, g * part.g : (g + 1) * part.g], q8t[g], out=dots[g])
-    scores = dots.float().mul_(qs).mul_(s.t().unsqueeze(-1)).sum(0)
-    return scores if lo is None else scores.addmm_(lo, qlo)
+        torch._int_mm(q8t[g], codes[:, g * part.g : (g + 1) * part.g].t(), out=dots[g])
+    scores = dots.float().mul_(qs).mul_(s.t().unsqueeze(1))
+    scores = scores[0] if part.n_g == 1 else scores.sum(0)
+    return scores if lo is None else scores.addmm_(qlo, lo.t())
 
 
 class _Sequence:
     """Online-softmax state of one sequence over its blocks: running max m [H], sum l [H], acc [H, d_c]."""
 
-    def __init__(self, q: Tensor, parts: tuple[_Part, _Part], scale: float) -> None:
-        heads = q.shape[0]
-        self.parts, self.scale = parts, scale
-        self.q = []  # per part: FP32 [W, H] for float parts, (q8t, qs, qlo) for integer parts
-        for p, x in zip(parts, q.float().split([parts[0].rc.width, parts[1].rc.width], dim=-1)):
-            if not p.is_int:
-                self.q.append(x.t().contiguous())
-                continue
-            q8, qs = p.quantized_query(x)  # [H, W], [H, n_g]
-            q8t = q8.view(heads, p.n_g, p.g).permute(1, 2, 0).contiguous()  # [n_g, G, H]
-            qlo = (q8.view(heads, p.n_g, p.g).sum(-1, dtype=torch.int32).float() * qs).t() if p.asym else None
-            self.q.append((q8t, qs.t().unsqueeze(1).contiguous(), qlo))
-        self.m = torch.full((heads,), float("-inf"), device=q.device)
-        self.l = torch.zeros(heads, device=q.device)
-        self.acc = torch.zeros(heads, parts[0].rc.width, device=q.device)
+    def __init__(self, queries: list, parts: tuple[_Part, _Part], scale: float) -> None:
+        """`queries`: this sequence's entry of each part's `_Part.query` (FP32 [H, W], or (q8 [n_g, H, G],
+        qs [n_g, H, 1], qlo [H, n_g] | None))."""
+        self.parts, self.scale, self.q = parts, scale, queries
+        first = queries[0] if isinstance(queries[0], Tensor) else queries[0][0]  # [H, W] or [n_g, H, G]
+        heads, device = first.shape[-2], first.device
+        self.m = torch.full((heads,), float("-inf"), device=device)
+        self.l = torch.zeros(heads, device=device)
+        self.acc = torch.zeros(heads, parts[0].rc.width, device=device)
 
     def block(self, raw: Tensor) -> None:
         """Fold in the rows raw uint8 [t, row_bytes] (all valid)."""
@@ -205,11 +236,11 @@ class _Sequence:
                     values = (codes, s, lo)
             else:
                 rows = p.rc.decode(part, out=torch.empty(raw.shape[0], p.rc.width, device=raw.device))
-                part_scores = rows @ qp
+                part_scores = qp @ rows.t()
                 if p is self.parts[0]:
                     values = rows
             scores = part_scores if scores is None else scores.add_(part_scores)
-        scores = scores.t().contiguous().mul_(self.scale)  # [H, t]: reductions along a strided dim are far slower
+        scores.mul_(self.scale)  # [H, t]
         m = torch.maximum(self.m, scores.amax(-1))
         alpha = torch.exp(self.m - m)
         probs = scores.sub_(m.unsqueeze(-1)).exp_()
@@ -281,9 +312,12 @@ def mla_decode_cpu(
     out = torch.zeros(batch, heads, d_c, device=q.device)
     lse = torch.full((batch, heads), float("-inf"), device=q.device)
 
+    x = q.float().split([parts[0].rc.width, parts[1].rc.width], dim=-1)
+    queries = [p.query(xp) for p, xp in zip(parts, x)]
+
     def run(group: list[int]) -> None:
         for b in group:
-            seq = _Sequence(q[b], parts, scale)
+            seq = _Sequence([_entry(qp, b) for qp in queries], parts, scale)
             for raw in _blocks(pool, pages[b], lens[b], block_tokens):
                 seq.block(raw)
             out[b], lse[b] = seq.result()
@@ -296,11 +330,25 @@ def mla_decode_cpu(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one sequence per core: the per-block ops are too small to split
     try:
-        with ThreadPoolExecutor(len(groups)) as workers:
-            list(workers.map(run, groups))
+        list(_workers(len(groups)).map(run, groups))
     finally:
         torch.set_num_threads(threads)
     return out, lse
+
+
+def _entry(query, b: int):
+    """Sequence b's entry of a part's batched `_Part.query`."""
+    return query[b] if isinstance(query, Tensor) else tuple(t if t is None else t[b] for t in query)
+
+
+_POOL: dict[int, ThreadPoolExecutor] = {}  # worker count → pool, kept between calls (starting threads costs)
+
+
+def _workers(n: int) -> ThreadPoolExecutor:
+    """A thread pool of `n` workers, created on first use and kept."""
+    if n not in _POOL:
+        _POOL[n] = ThreadPoolExecutor(n, thread_name_prefix="mlaquant-cpu-decode")
+    return _POOL[n]
 
 
 def sequence_groups(lens: list[int], workers: int) -> list[list[int]]:
@@ -321,12 +369,13 @@ def error_bound(
 ) -> tuple[Tensor, Tensor]:
     """Worst-case |lse error| [B, H] and |out error| [B, H, d_c] of `mla_decode_cpu` against the FP32
     reference, for q [B, H, d_c + d_r] and each sequence's decoded rows [T_b, d_c + d_r] (module
-    docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + 2^-20 · Σ_c |q_c k_c|) · (1 + 2^-10) over the
+    docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + 2^-20 · Σ_c |q_c k_c| [+ 2^-18 · Σ_g Σ_c∈g |q_c| ·
+    max_c∈g |k_c| for symmetric int4: its unsigned codes' FP32 epilogue cancels]) · (1 + 2^-10) over the
     tokens (the qs term only when `quantized_query`: off for a query already equal to its quantized
     value), Δout = (e^(2 Δs) − 1 + 2^-12) · max_t |v[t, c]| + the P·V digit term of a row-wise integer
     c_kv part, e^(4 Δs) · max_t(p_t s_t) · Σ_t |q_t,c| / (127 · 256 · Σ_t p_t) with p_t = e^(score_t − max)
     and s_t = `row_scales[b]` fp32 [T_b] (the stored c_kv row scales; required for such a part); |q_t,c| =
-    |v_t,c| / s_t for symmetric codes, the dot-form bound (128 int8, 8 int4) for asymmetric ones."""
+    |v_t,c| / s_t for symmetric int8 codes, the codes' bound otherwise (128 asym int8, 15 unsigned int4)."""
     int_pv = codec.ckv.spec.kind in _INT_KINDS and codec.ckv.layout.n_groups == 1
     if int_pv and row_scales is None:
         raise ValueError(f"error_bound: codec {codec.name} decodes P·V on the codes; pass row_scales")
@@ -340,9 +389,12 @@ def error_bound(
         k_abs = kv.abs()
         bound = (qb.abs() @ k_abs.t()) * 2.0**-20  # [H, T]: FP32 products and sums
         for rc, sl in ((codec.ckv, slice(0, d_c)), (codec.kpe, slice(d_c, None))):
+            g = rc.layout.group_size
             if rc.spec.kind in _INT_KINDS and quantized_query:
-                _, qs = quantize_query(qb[:, sl], rc.layout.group_size)  # [H, n_g]
-                bound += (qs / 2) @ k_abs[:, sl].unflatten(-1, (-1, rc.layout.group_size)).sum(-1).t()
+                _, qs = quantize_query(qb[:, sl], g)  # [H, n_g]
+                bound += (qs / 2) @ _grouped(k_abs[:, sl], g).sum(-1).t()
+            if rc.spec.kind == "int4" and rc.spec.symmetric:  # unsigned codes: |x·s| ≤ |k| + 8/7 absmax(group)
+                bound += 2.0**-18 * _grouped(qb[:, sl].abs(), g).sum(-1) @ _grouped(k_abs[:, sl], g).amax(-1).t()
         ds = scale * (1 + 2.0**-10) * bound.amax(-1)
         out = (torch.expm1(2 * ds) + 2.0**-12).unsqueeze(-1) * kv[:, :d_c].abs().amax(0)
         if int_pv:
@@ -352,14 +404,19 @@ def error_bound(
     return torch.stack(d_score), torch.stack(d_out)
 
 
+def _grouped(x: Tensor, group_size: int) -> Tensor:
+    """[..., W] → [..., W / group_size, group_size]."""
+    return x.unflatten(-1, (-1, group_size))
+
+
 def _digit_bound(q: Tensor, kv: Tensor, codec: LayerCodec, d_c: int, scale: float, s: Tensor, ds: Tensor) -> Tensor:
     """The P·V digit term of `error_bound` for one sequence: [H, d_c]."""
     scores = (q @ kv.t()) * scale  # [H, T]
     p = (scores - scores.amax(-1, keepdim=True)).exp()
-    if codec.ckv.spec.symmetric:
+    if codec.ckv.spec.kind == "int8" and codec.ckv.spec.symmetric:
         safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
         sum_q = (kv[:, :d_c].abs() / safe).sum(0)  # [d_c]
     else:
-        sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 8.0) * kv.shape[0], device=kv.device)
+        sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 15.0) * kv.shape[0], device=kv.device)
     top = (p * s).amax(-1) / (127.0 * 256.0 * p.sum(-1))  # [H]
     return (torch.exp(4 * ds) * top).unsqueeze(-1) * sum_q
