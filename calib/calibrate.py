@@ -82,7 +82,7 @@ class CalibrateConfig:
     long_test_samples: int = 16
     long_window: int = 128
     budget: float = 0.01
-    headroom: float = 0.8
+    headroom: float = 0.6
     seed: int = 0
     # samples per forward batch; None: from free GPU memory on CUDA (`calibration_batch_size`), 8 elsewhere
     batch_size: int | None = None

@@ -41,13 +41,14 @@ def decode_nll(model, plan, ids: torch.Tensor, prefill: int, guard: Guard | None
     return nll
 
 
-def buckets(nll: torch.Tensor, ref: torch.Tensor, first: int) -> dict[str, float]:
-    """Loss against `ref` per position bucket; entry j of both is target position `first` + j."""
+def buckets(nll: torch.Tensor, ref: torch.Tensor, first: int, sequences: int) -> dict[str, float]:
+    """Loss against `ref` per position bucket; entry j of both is the NLL summed over `sequences`
+    sequences at target position `first` + j."""
     out = {}
     for lo, hi in zip(POSITION_EDGES, POSITION_EDGES[1:]):
         a, b = max(lo - first, 0), min(hi - first, nll.numel())
         if a < b:
-            out[f"{lo}–{first + b}"] = math.exp(float(nll[a:b].mean() - ref[a:b].mean())) - 1
+            out[f"{lo}–{first + b}"] = math.exp(float(nll[a:b].mean() - ref[a:b].mean()) / sequences) - 1
     return out
 
 
@@ -93,7 +94,7 @@ def main() -> None:
     base = rows[0]["nll"]
     for r, nll in zip(rows, per_position):
         r["loss"] = math.exp(r["nll"] - base) - 1
-        r["by_position"] = buckets(nll, per_position[0], args.prefill - 1)
+        r["by_position"] = buckets(nll, per_position[0], args.prefill - 1, ids.shape[0])
     names = list(rows[0]["by_position"])
     print("| run | ppl | vs FP16 cache | " + " | ".join(f"@ {b}" for b in names) + " | clip-range updates |")
     print("|---|---:|---:|" + "---:|" * len(names) + "---:|")

@@ -11,6 +11,7 @@ import pytest
 
 from mlaquant import corpus
 from mlaquant.errors import MLAQuantError
+from mlaquant.train import load_train_config
 
 
 def _make_tree(root: Path, n: int = 60) -> None:
@@ -103,6 +104,7 @@ def test_shipped_splits_match_manifest_and_are_small():
     if not manifest_path.is_file():
         pytest.skip("calib/data not generated yet (mlaquant train --splits-dir calib/data)")
     manifest = json.loads(manifest_path.read_text())
+    fraction = load_train_config(None).corpus.held_out_fraction  # the packaged configs/train.yaml's
     total, seen = 0, set()
     for name in corpus.HELD_OUT:
         path = data / f"{name}.jsonl"
@@ -114,7 +116,7 @@ def test_shipped_splits_match_manifest_and_are_small():
             assert hashlib.sha256(f.text.encode()).hexdigest() == e["sha256"]
             assert len(f.text.encode()) == e["bytes"]
             # Held out by the documented rule: the path hash falls in this split's bucket.
-            assert corpus.HELD_OUT[int(corpus.path_fraction(f.path) / 0.04)] == name
+            assert corpus.HELD_OUT[int(corpus.path_fraction(f.path) / fraction)] == name
         assert not seen & {f.path for f in files}
         seen |= {f.path for f in files}
     assert total <= 5_000_000

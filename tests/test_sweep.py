@@ -371,7 +371,7 @@ def test_every_row_carries_position_buckets_and_the_report_shows_them(setup, tmp
     measured = [r for r in report["rows"] if r["status"] == "ok"]
     for r in measured:
         assert [b["positions"] for b in r["metrics"]["by_position"]] == [[0, 31]]
-        assert r["metrics"]["by_position"][0]["loss"] == pytest.approx(r["metrics"]["loss"], abs=1e-6)  # total: FP32 sums
+        assert r["metrics"]["by_position"][0]["loss"] == pytest.approx(r["metrics"]["loss"], abs=1e-6)  # FP32 total
     for r in measured:  # three buckets, as a long sample would give
         b = r["metrics"]["by_position"][0]
         r["metrics"]["by_position"] = [{**b, "positions": [lo, hi]} for lo, hi in ((0, 8), (8, 16), (16, 31))]
