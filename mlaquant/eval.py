@@ -30,6 +30,14 @@ from mlaquant.model import MLAModel
 POSITION_EDGES = (0, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
+def position_spans(width: int, first: int = 0, edges: tuple[int, ...] = POSITION_EDGES) -> list[tuple[int, int]]:
+    """The buckets of `edges` that target positions first … first + width − 1 reach, each clipped to
+    those positions: [(start, end), ...], end exclusive (index into a per-position array of `width`
+    entries, entry 0 = position `first`, as start − first … end − first)."""
+    spans = [(max(lo, first), min(hi, first + width)) for lo, hi in zip(edges, edges[1:])]
+    return [(a, b) for a, b in spans if a < b]
+
+
 @dataclasses.dataclass
 class EvalResult:
     """Metrics of one plan on one token set (loss/kl/top1 against the FP16 cache), and `by_position`:
@@ -91,15 +99,10 @@ class Scores:
         """Per bucket of `POSITION_EDGES`: its target positions [lo, hi), tokens, mean NLL and the loss
         against `ref` on those positions."""
         out = []
-        width = self.nll_pos.numel()
-        for lo, hi in zip(POSITION_EDGES, POSITION_EDGES[1:]):
-            if lo >= width:
-                break
-            n = self.samples * (min(hi, width) - lo)
+        for lo, hi in position_spans(self.nll_pos.numel()):
+            n = self.samples * (hi - lo)
             nll, ref_nll = float(self.nll_pos[lo:hi].sum()) / n, float(ref.nll_pos[lo:hi].sum()) / n
-            out.append(
-                {"positions": [lo, min(hi, width)], "tokens": n, "nll": nll, "loss": math.exp(nll - ref_nll) - 1}
-            )
+            out.append({"positions": [lo, hi], "tokens": n, "nll": nll, "loss": math.exp(nll - ref_nll) - 1})
         return out
 
 
@@ -141,7 +144,11 @@ class Evaluator:
         self.fp16 = [LayerCodec.from_names("fp16", "fp16", d_c, d_r) for _ in model.layers]
         self.tokens = samples.shape[0] * (samples.shape[1] - 1)
         self.ref = self._reference(progress)
-        self.ref_nll = self.ref.nll / self.tokens
+
+    @property
+    def ref_nll(self) -> float:
+        """The FP16 reference's mean NLL per predicted token."""
+        return self.ref.nll / self.tokens
 
     def _reference(self, progress) -> Scores:
         """Run the FP16-cache reference once, keeping every batch's per-layer inputs (`ref_inputs`) and

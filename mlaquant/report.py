@@ -240,9 +240,14 @@ def _bucket_name(positions: list[int]) -> str:
     return f"{positions[0]}–{positions[1]}"
 
 
+def _rows_by_position(rows: list[dict]) -> list[dict]:
+    """The measured rows whose loss is split into more than one position bucket."""
+    return [r for r in rows if is_measured(r) and len(r["metrics"].get("by_position", [])) > 1]
+
+
 def _position_table(report: dict) -> list[str]:
     """Δppl per position bucket, one row per measured configuration (empty with fewer than two buckets)."""
-    rows = [r for r in report["rows"] if is_measured(r) and len(r["metrics"].get("by_position", [])) > 1]
+    rows = _rows_by_position(report["rows"])
     if not rows:
         return []
     buckets = [b["positions"] for b in rows[0]["metrics"]["by_position"]]
@@ -260,6 +265,7 @@ def _position_table(report: dict) -> list[str]:
 def markdown(report: dict) -> str:
     s, m, tok, dims = report["settings"], report["model"], report["tokens"], report["model"]["dims"]
     T = tok["seq_len"]
+    positions = _position_table(report)
     text = [
         "# mlaquant sweep: accuracy vs cache memory",
         "",
@@ -288,10 +294,10 @@ def markdown(report: dict) -> str:
                 "Each bucket: targets at those positions of their sample (0 = the "
                 "first predicted token), against the FP16 latent cache on the same positions.",
                 "",
-                *_position_table(report),
+                *positions,
                 "",
             ]
-            if _position_table(report)
+            if positions
             else []
         ),
         "## Findings",
@@ -355,7 +361,7 @@ def plot_sweep(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["rows"] if is_measured(r)]
-    by_pos = [r for r in rows if len(r["metrics"].get("by_position", [])) > 1]
+    by_pos = _rows_by_position(rows)
     if by_pos:
         fig, (ax, ax_pos) = plt.subplots(1, 2, figsize=(18, 7), gridspec_kw={"width_ratios": [11, 7]})
         _plot_positions(ax_pos, by_pos, report)

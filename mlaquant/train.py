@@ -31,6 +31,7 @@ from mlaquant import corpus as corpus_mod
 from mlaquant.atomic import atomic_directory
 from mlaquant.config import load_config, to_dict
 from mlaquant.errors import MLAQuantError
+from mlaquant.eval import position_spans
 
 EOS = "<|endoftext|>"
 COMPLETION_PROMPTS = ("def fibonacci(n):", "import os\n\ndef ", "class Stack:\n    def __init__(self):")
@@ -272,10 +273,7 @@ def bucket_metrics(nats: torch.Tensor, targets: torch.Tensor, valid: torch.Tenso
     """Loss and bits per byte by target position ([lo, hi) of `POSITION_BUCKETS` within its window),
     from `position_nll`'s tensors and `token_bytes`; buckets the window does not reach are left out."""
     out = []
-    window = nats.shape[1]
-    for lo, hi in zip(POSITION_BUCKETS, POSITION_BUCKETS[1:]):
-        if lo >= window:
-            break
+    for lo, hi in position_spans(nats.shape[1], edges=POSITION_BUCKETS):
         sel = valid[:, lo:hi]
         n = int(sel.sum())
         if n == 0:
@@ -284,7 +282,7 @@ def bucket_metrics(nats: torch.Tensor, targets: torch.Tensor, valid: torch.Tenso
         b = int((nbytes[targets[:, lo:hi]] * sel).sum())
         out.append(
             {
-                "positions": [lo, min(hi, window)],
+                "positions": [lo, hi],
                 "tokens": n,
                 "loss": total / n,
                 "bits_per_byte": total / math.log(2) / b,

@@ -7,7 +7,7 @@ Every sequence is prefilled with its first `--prefill` tokens, then decoded teac
 time (the guard sees every new row), so each later token's NLL comes from the quantized cache as it is
 at that step. Sequences longer than the calibration samples (512 tokens by default; 2048 = 4x) make the
 late rows drift away from the calibration data, which is the case re-estimation is meant for. Each run's
-loss is also given per bucket of target positions (`mlaquant.eval.POSITION_EDGES`).
+loss is also given per bucket of target positions (`mlaquant.eval.position_spans`).
 Prints a markdown table; `--out` also writes it as JSON.
 """
 
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from mlaquant import DecodeSession, load_model
 from mlaquant.calib.data import split_path
-from mlaquant.eval import POSITION_EDGES
+from mlaquant.eval import position_spans
 from mlaquant.guard import Guard
 from mlaquant.plan import Plan
 from mlaquant.samples import token_samples
@@ -45,10 +45,9 @@ def buckets(nll: torch.Tensor, ref: torch.Tensor, first: int, sequences: int) ->
     """Loss against `ref` per position bucket; entry j of both is the NLL summed over `sequences`
     sequences at target position `first` + j."""
     out = {}
-    for lo, hi in zip(POSITION_EDGES, POSITION_EDGES[1:]):
-        a, b = max(lo - first, 0), min(hi - first, nll.numel())
-        if a < b:
-            out[f"{lo}–{first + b}"] = math.exp(float(nll[a:b].mean() - ref[a:b].mean()) / sequences) - 1
+    for lo, hi in position_spans(nll.numel(), first):
+        a, b = lo - first, hi - first
+        out[f"{lo}–{hi}"] = math.exp(float(nll[a:b].mean() - ref[a:b].mean()) / sequences) - 1
     return out
 
 
