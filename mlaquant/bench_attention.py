@@ -3,7 +3,8 @@ attention shapes H 16, d_c 512, d_r 64) per batch × context × codec × path ("
 "fast" = backend cpu), against the machine's bound measured in the same run.
 
 Every sequence of a batch holds `context` random latent rows on shuffled 64-token pages. Rows: median
-ms per call, fast / reference of the same codec, fast / fast of the first codec (the base, fp16), and the
+ms per call over `steps` rounds, each round calling every codec and path of the batch and context once
+in turn (`_median_rounds`), fast / reference of the same codec, fast / fast of the first codec (the base, fp16), and the
 bound: max(cache bytes / bandwidth, FLOPs / peak) with the bandwidth from a large-copy probe, the peak
 from an FP32 GEMM probe (float scores, P·V of float and grouped caches) and an int8 `torch._int_mm` probe
 (integer scores, the two-digit P·V of row-wise integer caches).
@@ -31,6 +32,21 @@ def _median(fn, n: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _median_rounds(calls: dict, n: int) -> dict:
+    """Median seconds of each of `calls` (name → function) over n rounds, each round calling every
+    function once in turn, so drifts of the machine (other tenants, the allocator's state after a large
+    reference call) reach every configuration alike and the ratios compare like with like."""
+    for fn in calls.values():
+        fn()
+    times = {name: [] for name in calls}
+    for _ in range(n):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def machine_probes(repeats: int = 5) -> dict:
@@ -78,16 +94,16 @@ def bench_attention(batches: list[int], contexts: list[int], codecs: list[str], 
     results = []
     for batch in batches:
         for context in contexts:
-            rows = []
+            calls, bounds = {}, {}
             for name in codecs:
                 codec = LayerCodec.from_names(*(name.split("/") if "/" in name else (name, name)), D_C, D_R)
                 q, pool, table, lens = _problem(codec, batch, context, seed=context)
-                bound = step_bound(codec, batch, context, probes)
+                bounds[name] = step_bound(codec, batch, context, probes)
                 for path, backend in PATHS.items():
                     args = (q, pool, table, lens, codec, D_C, D_C**-0.5, backend)
-                    sec = _median(lambda args=args: mla_decode(*args), steps)
-                    rows.append({"batch": batch, "context": context, "codec": name, "path": path, "s": sec,
-                                 "bound_s": bound})
+                    calls[(name, path)] = lambda args=args: mla_decode(*args)
+            rows = [{"batch": batch, "context": context, "codec": name, "path": path, "s": sec,
+                     "bound_s": bounds[name]} for (name, path), sec in _median_rounds(calls, steps).items()]
             by = {(r["codec"], r["path"]): r["s"] for r in rows}
             for r in rows:
                 r["vs_reference"] = r["s"] / by[(r["codec"], "reference")]
