@@ -51,6 +51,7 @@ against them (ragged batch, NaN-filled free slots and blocks, permuted block tab
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -332,22 +333,21 @@ def mla_decode_cpu(
     x = q.float().split([parts[0].rc.width, parts[1].rc.width], dim=-1)
     queries = [p.query(xp, scale * LOG2E) for p, xp in zip(parts, x)]
 
-    def run(group: list[int]) -> None:
-        for b in group:
-            seq = _Sequence([_entry(qp, b) for qp in queries], parts)
-            for raw in _blocks(pool, pages[b], lens[b], block_tokens):
-                seq.block(raw)
-            out[b], lse[b] = seq.result()
+    def run(b: int) -> None:
+        seq = _Sequence([_entry(qp, b) for qp in queries], parts)
+        for raw in _blocks(pool, pages[b], lens[b], block_tokens):
+            seq.block(raw)
+        out[b], lse[b] = seq.result()
 
-    groups = sequence_groups(lens, torch.get_num_threads())
-    if len(groups) <= 1:
-        for group in groups:
-            run(group)
-        return out, lse
+    order = sorted((b for b, n in enumerate(lens) if n), key=lambda b: -lens[b])
     threads = torch.get_num_threads()
+    if threads <= 1 or len(order) <= 1:
+        for b in order:
+            run(b)
+        return out, lse
     torch.set_num_threads(1)  # one sequence per core: the per-block ops are too small to split
     try:
-        list(_workers(len(groups)).map(run, groups))
+        run_shared(order, min(threads, len(order)), run)
     finally:
         torch.set_num_threads(threads)
     return out, lse
@@ -368,16 +368,25 @@ def _workers(n: int) -> ThreadPoolExecutor:
     return _POOL[n]
 
 
-def sequence_groups(lens: list[int], workers: int) -> list[list[int]]:
-    """The non-empty sequences (indices into `lens`) in at most `workers` groups of about equal token
-    counts, longest first onto the lightest group; each group runs on one thread."""
-    groups: list[list[int]] = [[] for _ in range(max(1, workers))]
-    load = [0] * len(groups)
-    for b in sorted((b for b, n in enumerate(lens) if n), key=lambda b: -lens[b]):
-        g = load.index(min(load))
-        groups[g].append(b)
-        load[g] += lens[b]
-    return [g for g in groups if g]
+def run_shared(order: list[int], workers: int, fn) -> None:
+    """fn(b) for every b of `order` on `workers` threads, the caller one of them: each takes the next b
+    when its last is done, so a thread that wakes late (measured: up to 5 ms, the GIL's switch interval)
+    or runs slower simply takes fewer (fixed equal groups left the other core idle for that long)."""
+    queue = iter(order)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                b = next(queue, None)
+            if b is None:
+                return
+            fn(b)
+
+    helpers = [_workers(workers - 1).submit(worker) for _ in range(workers - 1)]
+    worker()
+    for h in helpers:
+        h.result()
 
 
 def error_bound(
