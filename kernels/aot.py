@@ -16,7 +16,8 @@ instructions (the largest such span when tied); its static instruction count, it
 token (the loop covers BLOCK_N tokens and runs once per head block of a sequence), SM issue cycles and MMA
 cycles.
 
-Cost model (decode: stage 1 + merge), per device, B sequences of `context` tokens:
+Cost model (decode: the query kernel when a part is integer, stage 1, merge), per device, B sequences of
+`context` tokens:
 
     t_hbm   = (B·T·row_bytes + query + partials written) / HBM_BW      each cache byte once from HBM
     t_l2    = (B·T·row_bytes · head_blocks + ...) / L2_BW             sibling head blocks re-read through L2
@@ -24,6 +25,7 @@ Cost model (decode: stage 1 + merge), per device, B sequences of `context` token
     t_mma   = B·T · mma_cycles_per_token / (SMS · CLOCK)              mma = flops / (per-SM rate)
     stage1  = max(t_hbm, t_l2, t_issue, t_mma) · waves,   waves = ceil(P / SMS) / (P / SMS), P = programs
     merge   = partials read + output written over HBM_BW (when split) ;  + LAUNCH_US per kernel launched
+    (the query kernel counts as its launch only: it reads B·H·(d_c + d_r) values once)
 
 Constants (`DEVICES`): H100 SXM 132 SMs at 1.755 GHz, HBM 3.0 TB/s achieved (3.35 peak), L2 5.5 TB/s;
 H200 the same SMs and L2, HBM 4.3 TB/s achieved (4.8 peak, the same 90 %). Per SM and cycle, wgmma does
@@ -212,12 +214,14 @@ def decode_variants(heads=HEADS, codecs=DECODE_CODECS, config=None) -> list[Vari
         for name in codecs:
             codec = LayerCodec.from_names(*name.split("/"), D_C, D_R)
             ctx = max(CONTEXTS)
-            launch, _, _ = _decode_launch(K, codec, h, ctx, config)
+            launch, _, stage0 = _decode_launch(K, codec, h, ctx, config)
             warps = launch.kwargs["num_warps"]
             head_blocks = launch.grid[0]  # programs per sequence and chunk (head blocks x value halves)
             out.append(Variant("mla_decode", name, h, launch, {
                 "codec": codec, "row_bytes": codec.row_bytes, "block_n": launch.kwargs["BLOCK_N"],
                 "warps": warps, "head_blocks": head_blocks, "config": config}))
+            if stage0 is not None:
+                out.append(Variant("query", name, h, stage0))
         parts = _meta(BATCH, h, 2, D_C, dtype=torch.float32)
         lse = _meta(BATCH, h, 2, dtype=torch.float32)
         merge, _, _ = K.merge_launch(parts, lse, _meta(BATCH, dtype=torch.int32), 1024)
@@ -231,7 +235,10 @@ def _decode_launch(K, codec, heads: int, context: int, config, n_sm: int | None 
     table = _meta(BATCH, context // K.PAGE_TOKENS, dtype=torch.int32)
     lens = _meta(BATCH, dtype=torch.int32)
     chunk = K.schedule_chunk(config, BATCH, heads, context, n_sm)
-    return K.stage1_launch(q, pool, table, lens, codec, D_C, 0.1, chunk, context, config, on_gpu=True)
+    stage0, staged = K.query_launch(q, codec, D_C, 0.1, on_gpu=True)
+    launch, parts, lse = K.stage1_launch(q, staged, pool, table, lens, codec, D_C, 0.1, chunk, context, config,
+                                         on_gpu=True)
+    return launch, parts, stage0
 
 
 def gemm_variants() -> list[Variant]:
@@ -254,9 +261,9 @@ def predict(stats: dict, v: Variant, device: Device, context: int) -> dict:
     from mlaquant.kernels import mla_decode as K
 
     d = v.decode
-    launch, _, _ = _decode_launch(K, d["codec"], v.heads, context, d["config"], device.sms)
+    launch, parts, stage0 = _decode_launch(K, d["codec"], v.heads, context, d["config"], device.sms)
     programs = math.prod(launch.grid)
-    n_split = launch.args[4].shape[2]
+    n_split = parts.shape[2]
     tokens = BATCH * context
     per_token = d["head_blocks"] / d["block_n"]
     issue = stats["loop_instructions"] * d["warps"] / 4 * per_token
@@ -276,7 +283,7 @@ def predict(stats: dict, v: Variant, device: Device, context: int) -> dict:
     if n_split > 1:
         merge = (BATCH * v.heads * (n_split * (D_C + 1) + D_C) * 4) / (device.hbm_tb_s * 1e6) + LAUNCH_US
     bound = max(terms, key=terms.get)
-    total = terms[bound] * waves + merge + LAUNCH_US
+    total = terms[bound] * waves + merge + LAUNCH_US * (1 if stage0 is None else 2)
     return {"us": total, "bound": bound, "waves": waves, "programs": programs, "splits": n_split,
             "issue_cycles_per_token": issue, "mma_cycles_per_token": mma, **{f"t_{k}": t for k, t in terms.items()}}
 

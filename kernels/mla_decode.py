@@ -54,6 +54,14 @@ It would also cost n_g small MMAs and n_g INT32->FP32 rescales per tile instead 
 per token, shared by all heads) and one MMA. Speed could not be measured here (no GPU). FP16 P·V is the
 choice (FlashMLA also dequantizes to 16-bit for P·V).
 
+Tiles. A tile is BLOCK_N consecutive tokens of one sequence. When BLOCK_N divides the pool's page (the
+64-token page and the 32-token tile), a tile lies in one page: one block-table entry gives a scalar base and
+every load of the tile is that base plus loop-invariant offsets (`page_rows`; compiled for sm_90a this cut
+the main loop from 1157 to 1006 instructions for FP16 at H = 128, 1395 to 1005 for INT4-row, 1863 to 1202
+for INT8-row, `mlaquant bench kernels --aot`); other page sizes look up each token's page (`tile_rows`). An
+FP16 c_kv tile is read once, as its two channel halves, which are K for the scores and V for P·V (before:
+a K tile and two V halves, the same bytes twice through shared memory: 208 KiB of it, now 144).
+
 Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page). By default, on
 a GPU, `schedule_chunk` sizes them to fill the SMs (waves x pages per program within 10 % of the best, the
 longest such chunk); under the interpreter they come from `configs/kernels.yaml` by the batch's longest
@@ -91,7 +99,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton  # an ImportError here is what mlaquant.ops turns into "backend 'triton' unavailable"
@@ -103,8 +111,10 @@ from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
 
 PAGE_TOKENS = 64
+CKV_FAMILIES = ("fp16", "row", "grouped")  # c_kv parts by how the kernel reads them (`KernelConfig.wide_block_n`)
 _KIND_FP16, _KIND_INT8, _KIND_INT4 = 0, 1, 2
 _LOG2E = 1.4426950408889634
+QUERY_BLOCK_H = 16  # heads per program of the query kernel (stage 0)
 
 
 @dataclass
@@ -114,17 +124,19 @@ class KernelConfig:
     `split_kv_chunks` lists `[up_to_context, chunk_tokens]` pairs, read by `mlaquant.config.chunk_for_context`
     with the batch's longest context.
     `block_h` heads and `block_n` tokens per tile of a stage-1 program, on `num_warps` warps, the values split
-    over `d_split` programs; at most `narrow_heads` heads run as one narrow block (`tile_for`).
+    over `d_split` programs; at most `narrow_heads` heads run as one narrow block (`tile_for`). Wide blocks
+    take their tile length by the c_kv part's family from `wide_block_n` (`block_n_for`).
     """
 
     version: int = 1
     split_kv_chunks: tuple = ((2048, 512), (8192, 768), (0, 1024))
-    block_h: int = 64
+    block_h: int = 128
     block_n: int = 32
     num_warps: int = 8
-    num_stages: int = 2
-    d_split: int = 1
+    num_stages: int = 1
+    d_split: int = 2
     narrow_heads: int = 16
+    wide_block_n: dict = field(default_factory=lambda: {"fp16": 16, "row": 32, "grouped": 16})
 
     def __post_init__(self) -> None:
         pairs = self.split_kv_chunks
@@ -135,10 +147,19 @@ class KernelConfig:
             )
         if self.d_split not in (1, 2):
             raise ConfigError(f"kernels: d_split must be 1 or 2, got {self.d_split}")
-        for name in ("block_h", "block_n", "narrow_heads"):
-            v = getattr(self, name)
-            if v <= 0 or v & (v - 1) or (name == "block_n" and PAGE_TOKENS % v):
+        tiles = self.wide_block_n
+        if not isinstance(tiles, dict) or set(tiles) != set(CKV_FAMILIES):
+            raise ConfigError(f"kernels: wide_block_n must map each of {', '.join(CKV_FAMILIES)} to a tile length, "
+                              f"got {tiles!r}")
+        checks = [("block_h", self.block_h), ("block_n", self.block_n), ("narrow_heads", self.narrow_heads)]
+        for name, v in checks + [(f"wide_block_n.{k}", v) for k, v in tiles.items()]:
+            if not isinstance(v, int) or v <= 0 or v & (v - 1) or ("block_n" in name and PAGE_TOKENS % v):
                 raise ConfigError(f"kernels: {name} must be a power of two (block_n dividing 64), got {v}")
+
+    def block_n_for(self, heads: int, ckv_family: str) -> int:
+        """Tokens per tile: `block_n` for a narrow block, else `wide_block_n[ckv_family]` (a family of
+        `CKV_FAMILIES`: fp16, row-wise integer, grouped integer c_kv)."""
+        return self.block_n if heads <= self.narrow_heads else self.wide_block_n[ckv_family]
 
     def tile_for(self, heads: int, on_gpu: bool) -> tuple[int, int, int]:
         """(BLOCK_H, num_warps, D_SPLIT) for `heads` query heads. At most `narrow_heads` heads run as one
@@ -365,13 +386,14 @@ def _part_scores(
     q8s, qss, qsums, row, t_mask,
     KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
     SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, qk_scale,
 ):
-    """Unscaled scores [BH, BN] fp32 of one row part against the query part of `query_part`."""
+    """Scores [BH, BN] fp32 of one row part, times qk_scale: a float part multiplies its dot by it, an
+    integer part's qs (`staged_query_part`) include it."""
     if KIND == 0:
         c = tl.arange(0, W)
         k = tl.load(row.to(tl.pointer_type(tl.float16))[:, None] + c[None, :], mask=t_mask[:, None], other=0.0)
-        s = tl.dot(q8s[0], tl.trans(k), out_dtype=tl.float32)
+        s = tl.dot(q8s[0], tl.trans(k), out_dtype=tl.float32) * qk_scale
     else:
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for g in tl.static_range(W // G):
@@ -451,23 +473,183 @@ def tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE:
 
 
 @triton.jit
+def page_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, t0, PAGE: tl.constexpr, ROW_BYTES: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """Byte pointers [BN] of tokens t0 .. t0 + BN − 1 of sequence b when the tile lies in one page (BN divides
+    PAGE, t0 a multiple of BN): one block-table entry, a scalar base plus loop-invariant row offsets, so
+    the addresses of the tile's loads cost no per-token arithmetic (rows past the sequence stay in the page's
+    allocated memory; the loads mask them)."""
+    block = tl.load(bt_ptr + b * stride_bt + t0 // PAGE).to(tl.int64)
+    return pool_ptr + block * stride_pool + (t0 % PAGE) * ROW_BYTES + tl.arange(0, BLOCK_N) * ROW_BYTES
+
+
+@triton.jit
+def _stage_query_part(q_row, q8_row, qs_row, qsum_row, h_mask, qk_scale, KIND: tl.constexpr, W: tl.constexpr,
+                      G: tl.constexpr):
+    """Store an integer part's `query_part` for stage 1: q8 at `q8_row` [BH] in dot order (per group its
+    channels, or for int4 groups of ≥ 64 its even then its odd channels), per group qs · qk_scale at
+    `qs_row` and Σq8 at `qsum_row`. A float part stores nothing (stage 1 reads the query itself)."""
+    if KIND != 0:
+        q8s, qss, qsums = query_part(q_row, h_mask, KIND, W, G)
+        for g in tl.static_range(W // G):
+            if KIND == 1 or G < 64:
+                c = g * G + tl.arange(0, G)
+                tl.store(q8_row[:, None] + c[None, :], q8s[g], mask=h_mask[:, None])
+            else:
+                c = g * G + tl.arange(0, G // 2)
+                tl.store(q8_row[:, None] + c[None, :], q8s[2 * g], mask=h_mask[:, None])
+                tl.store(q8_row[:, None] + (c + G // 2)[None, :], q8s[2 * g + 1], mask=h_mask[:, None])
+            tl.store(qs_row + g, qss[g] * qk_scale, mask=h_mask)
+            tl.store(qsum_row + g, qsums[g], mask=h_mask)
+
+
+@triton.jit
+def _query_kernel(
+    q_ptr, q8_ptr, qs_ptr, qsum_ptr, stride_qb, stride_qh, H, qk_scale,
+    D_C: tl.constexpr, C_KIND: tl.constexpr, C_G: tl.constexpr, R_KIND: tl.constexpr, R_W: tl.constexpr,
+    R_G: tl.constexpr, NG: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Stage 0: the query of sequence b quantized once for every program of stage 1 (`query_part` per
+    integer part) into q8 int8 [B, H, d_c + d_r], qs fp32 [B, H, NG] (times qk_scale) and Σq8 int32
+    [B, H, NG], NG the integer parts' groups (c_kv's first). Stage 1 reads them as plain loads, which
+    Triton stages in shared memory for the wgmma (quantized inside stage 1, the 64 x 576 int8 query was
+    held in registers: 36 per thread, the spills of the 64-head variants)."""
+    b = tl.program_id(1)
+    offs_h = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    q_row = q_ptr + b * stride_qb + offs_h * stride_qh
+    bh = (b * H + offs_h).to(tl.int64)
+    q8_row = q8_ptr + bh * (D_C + R_W)
+    s_row = bh * NG
+    NC: tl.constexpr = D_C // C_G if C_KIND != 0 else 0
+    _stage_query_part(q_row, q8_row, qs_ptr + s_row, qsum_ptr + s_row, h_mask, qk_scale, C_KIND, D_C, C_G)
+    _stage_query_part(q_row + D_C, q8_row + D_C, qs_ptr + s_row + NC, qsum_ptr + s_row + NC, h_mask, qk_scale,
+                      R_KIND, R_W, R_G)
+
+
+@triton.jit
+def staged_query_part(q_row, q8_row, qs_row, qsum_row, h_mask, KIND: tl.constexpr, W: tl.constexpr,
+                      G: tl.constexpr):
+    """`query_part`'s tuples in stage 1: a float part's query loaded as FP16, an integer part's read from what
+    `_query_kernel` stored (so its qs include qk_scale)."""
+    if KIND == 0:
+        q8s, qss, qsums = query_part(q_row, h_mask, KIND, W, G)
+    else:
+        q8s, qss, qsums = (), (), ()
+        for g in tl.static_range(W // G):
+            if KIND == 1 or G < 64:
+                c = g * G + tl.arange(0, G)
+                q8s = q8s + (tl.load(q8_row[:, None] + c[None, :], mask=h_mask[:, None], other=0),)
+            else:
+                c = g * G + tl.arange(0, G // 2)
+                q8e = tl.load(q8_row[:, None] + c[None, :], mask=h_mask[:, None], other=0)
+                q8o = tl.load(q8_row[:, None] + (c + G // 2)[None, :], mask=h_mask[:, None], other=0)
+                q8s = q8s + (q8e, q8o)
+            qss = qss + (tl.load(qs_row + g, mask=h_mask, other=0.0),)
+            qsums = qsums + (tl.load(qsum_row + g, mask=h_mask, other=0),)
+    return q8s, qss, qsums
+
+
+@triton.jit
+def _tile_step(
+    m_i, l_i, acc_a, acc_b, t0, t_mask,
+    qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool, stride_bt, qk_scale,
+    PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
+    C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
+    C_LOFF: tl.constexpr,
+    R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
+    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BOTH: tl.constexpr, ASM: tl.constexpr,
+):
+    """Fold tokens t0 .. t0 + BN − 1 (those in `t_mask` [BN]) into the online softmax (m_i, l_i, acc_a, acc_b):
+    see `_chunk_loop`."""
+    offs_t = t0 + tl.arange(0, BLOCK_N)
+    if PAGE % BLOCK_N == 0:
+        row = page_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, t0, PAGE, ROW_BYTES, BLOCK_N)
+    else:
+        row = tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES)
+    if C_KIND == 0 and BOTH:
+        # an FP16 c_kv tile is read once, as its two halves: K for the scores and V for P·V
+        va = half_values(row, t_mask, 0, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
+        vb = half_values(row, t_mask, 1, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
+        s = tl.dot(qc8[0], tl.trans(va), out_dtype=tl.float32)
+        s = tl.dot(qc8[1], tl.trans(vb), s, out_dtype=tl.float32) * qk_scale
+    else:
+        s = _part_scores(qc8, qcs, qcsum, row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF,
+                         BLOCK_H, BLOCK_N, ASM, qk_scale)
+    s += _part_scores(qr8, qrs, qrsum, row + R_OFF, t_mask, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF,
+                      BLOCK_H, BLOCK_N, ASM, qk_scale)
+    s = tl.where(t_mask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p16 = p.to(tl.float16)
+    if C_KIND == 0 and BOTH:
+        acc_a = acc_a * alpha[:, None] + tl.dot(p16, va, out_dtype=tl.float32)
+        acc_b = acc_b * alpha[:, None] + tl.dot(p16, vb, out_dtype=tl.float32)
+    else:
+        v = half_values(row, t_mask, HALF, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
+        acc_a = acc_a * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
+        if BOTH:
+            v = half_values(row, t_mask, 1, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
+            acc_b = acc_b * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
+    return m_new, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _chunk_loop(
+    qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool, stride_bt, start, end, qk_scale,
+    PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
+    C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
+    C_LOFF: tl.constexpr,
+    R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
+    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BOTH: tl.constexpr, ASM: tl.constexpr,
+):
+    """The token loop of one stage-1 program over tokens [start, end): (m_i [BH] base 2, l_i [BH], acc_a
+    [BH, d_c/2] of value half HALF, acc_b [BH, d_c/2] of half 1 when BOTH, else zeros), unnormalized.
+    HALF is a constexpr, so a program that owns one half compiles that half's dequantization only. Whole
+    tiles run with a constant all-true mask, which Triton folds away (no predicates, no −inf select in the
+    loop); the partial tile at the end of the range runs first, masked (the softmax is order-free)."""
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc_a = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
+    whole = start + (end - start) // BLOCK_N * BLOCK_N
+    if whole < end:
+        m_i, l_i, acc_a, acc_b = _tile_step(
+            m_i, l_i, acc_a, acc_b, whole, (whole + tl.arange(0, BLOCK_N)) < end, qc8, qcs, qcsum, qr8, qrs, qrsum,
+            pool_ptr, bt_ptr, b, stride_pool, stride_bt, qk_scale, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G,
+            C_SOFF, C_LOFF, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, HALF, BOTH, ASM)
+    every = tl.full([BLOCK_N], 1, dtype=tl.int1)
+    for t0 in range(start, whole, BLOCK_N):
+        m_i, l_i, acc_a, acc_b = _tile_step(
+            m_i, l_i, acc_a, acc_b, t0, every, qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool,
+            stride_bt, qk_scale, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF, R_KIND, R_ASYM, R_W,
+            R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, HALF, BOTH, ASM)
+    return m_i, l_i, acc_a, acc_b
+
+
+@triton.jit
 def _partial_kernel(
-    q_ptr, pool_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr,
+    q_ptr, q8_ptr, qs_ptr, qsum_ptr, pool_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qh, stride_pool, stride_bt, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     H, chunk_tokens, qk_scale,
     PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
     C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
     C_LOFF: tl.constexpr,
     R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
-    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr,
+    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr, NG: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_SPLIT: tl.constexpr, ASM: tl.constexpr,
 ):
     """Stage 1: one (head block, value half when D_SPLIT = 2, chunk, sequence) -> normalized partial
     [BH, d_c] (its half of the channels when split) and the LSE [BH].
 
     program_id(0) varies fastest, so the programs of one sequence and chunk (head blocks x halves) run side by
-    side and all but the first read the tile from L2. The query is loaded and quantized once, before the
-    loop; each tile's values are dequantized once per program, into the halves it accumulates."""
+    side and all but the first read the tile from L2. The query is read once, before the loop (an integer
+    part's as `_query_kernel` quantized it); each tile's values are dequantized once per program, into the
+    halves it accumulates (an FP16 c_kv tile: its halves are read once and serve the scores too)."""
     b = tl.program_id(2)
     split = tl.program_id(1)
     half0 = tl.program_id(0) % D_SPLIT
@@ -477,33 +659,32 @@ def _partial_kernel(
     start = split * chunk_tokens
     end = tl.minimum(start + chunk_tokens, seq_len)
     q_row = q_ptr + b * stride_qb + offs_h * stride_qh
-    qc8, qcs, qcsum = query_part(q_row, h_mask, C_KIND, D_C, C_G)
-    qr8, qrs, qrsum = query_part(q_row + D_C, h_mask, R_KIND, R_W, R_G)
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_a = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)  # the second half, when this program has both
-    for t0 in range(start, end, BLOCK_N):
-        offs_t = t0 + tl.arange(0, BLOCK_N)
-        t_mask = offs_t < end
-        row = tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES)
-        s = _part_scores(qc8, qcs, qcsum, row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF,
-                         BLOCK_H, BLOCK_N, ASM)
-        s += _part_scores(qr8, qrs, qrsum, row + R_OFF, t_mask, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF,
-                          BLOCK_H, BLOCK_N, ASM)
-        s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p16 = p.to(tl.float16)
-        v = half_values(row, t_mask, half0, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
-        acc_a = acc_a * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
-        if D_SPLIT == 1:
-            v = half_values(row, t_mask, 1, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
-            acc_b = acc_b * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
-        m_i = m_new
+    bh = (b * H + offs_h).to(tl.int64)
+    q8_row = q8_ptr + bh * (D_C + R_W)
+    NC: tl.constexpr = D_C // C_G if C_KIND != 0 else 0
+    if C_KIND == 0 and D_SPLIT == 1:  # the query in the two halves the c_kv tile is read in
+        qa, _, _ = query_part(q_row, h_mask, C_KIND, D_C // 2, C_G)
+        qb, _, _ = query_part(q_row + D_C // 2, h_mask, C_KIND, D_C // 2, C_G)
+        qc8, qcs, qcsum = (qa[0], qb[0]), (), ()
+    else:
+        qc8, qcs, qcsum = staged_query_part(q_row, q8_row, qs_ptr + bh * NG, qsum_ptr + bh * NG, h_mask, C_KIND,
+                                            D_C, C_G)
+    qr8, qrs, qrsum = staged_query_part(q_row + D_C, q8_row + D_C, qs_ptr + bh * NG + NC, qsum_ptr + bh * NG + NC,
+                                        h_mask, R_KIND, R_W, R_G)
+    loop_args = (qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool, stride_bt, start, end,
+                 qk_scale)
+    if D_SPLIT == 1:
+        m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
+                                             R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, 0,
+                                             True, ASM)
+    elif half0 == 0:
+        m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
+                                             R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, 0,
+                                             False, ASM)
+    else:
+        m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
+                                             R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, 1,
+                                             False, ASM)
 
     # Broadcast before comparing: the interpreter mistypes `bool tensor & bool scalar`.
     live = h_mask & ((start + tl.zeros_like(offs_h)) < seq_len)
@@ -560,6 +741,13 @@ class _Part:
     offset: int  # byte offset of the part inside the row
     scale_offset: int  # byte offset of the FP16 scales inside the part (0 for fp16 parts)
     lo_offset: int
+
+    @property
+    def family(self) -> str:
+        """fp16, row (an integer part with one group) or grouped (`CKV_FAMILIES`)."""
+        if self.kind == _KIND_FP16:
+            return "fp16"
+        return "row" if self.group == self.width else "grouped"
 
 
 def _part(rc, offset: int, on_gpu: bool, label: str) -> _Part:
@@ -685,12 +873,37 @@ class Launch:
         self.fn[self.grid](*self.args, **self.kwargs)
 
 
+def _int_groups(c: _Part, r: _Part) -> int:
+    """Groups of the integer parts of a row (the query kernel's qs / Σq8 entries per head)."""
+    return sum(p.width // p.group for p in (c, r) if p.kind != _KIND_FP16)
+
+
+def query_launch(q: Tensor, codec, d_c: int, scale: float, on_gpu: bool) -> tuple[Launch | None, tuple]:
+    """Stage 0 for checked inputs: (launch, (q8 int8 [B, H, d_c + d_r], qs fp32 [B, H, NG], Σq8 int32
+    [B, H, NG])), allocated on q's device unwritten; (None, (q, q, q)) when no part is integer (stage 1
+    then reads q only; the three are placeholders)."""
+    c, r = codec_parts(codec, on_gpu)
+    n_groups = _int_groups(c, r)
+    if not n_groups:
+        return None, (q, q, q)
+    bsz, heads, width = q.shape
+    q8 = torch.empty(bsz, heads, width, dtype=torch.int8, device=q.device)
+    qs = torch.empty(bsz, heads, n_groups, dtype=torch.float32, device=q.device)
+    qsum = torch.empty(bsz, heads, n_groups, dtype=torch.int32, device=q.device)
+    block_h = min(QUERY_BLOCK_H, max(1, triton.next_power_of_2(heads)))
+    args = (q, q8, qs, qsum, q.stride(0), q.stride(1), heads, float(scale) * _LOG2E)
+    kwargs = dict(D_C=d_c, C_KIND=c.kind, C_G=c.group, R_KIND=r.kind, R_W=r.width, R_G=r.group, NG=n_groups,
+                  BLOCK_H=block_h, num_warps=4)
+    return Launch(_query_kernel, (triton.cdiv(heads, block_h), bsz, 1), args, kwargs), (q8, qs, qsum)
+
+
 def stage1_launch(
-    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, scale: float,
-    chunk: int, longest: int, config: KernelConfig, on_gpu: bool,
+    q: Tensor, staged: tuple, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int,
+    scale: float, chunk: int, longest: int, config: KernelConfig, on_gpu: bool,
 ) -> tuple[Launch, Tensor, Tensor]:
-    """The stage-1 launch for checked inputs (q contiguous along channels, int32 indices, `chunk` resolved):
-    (launch, partials [B, H, S, d_c] fp32, lse [B, H, S] fp32), both allocated on q's device unwritten."""
+    """The stage-1 launch for checked inputs (q contiguous along channels, `staged` = `query_launch`'s
+    buffers, int32 indices, `chunk` resolved): (launch, partials [B, H, S, d_c] fp32, lse [B, H, S] fp32),
+    both allocated on q's device unwritten."""
     c, r = codec_parts(codec, on_gpu)
     bsz, heads = q.shape[:2]
     n_split = max(1, triton.cdiv(longest, chunk))
@@ -699,7 +912,7 @@ def stage1_launch(
     block_h, warps, d_split = config.tile_for(heads, on_gpu)
     grid = (triton.cdiv(heads, block_h) * d_split, n_split, bsz)
     args = (
-        q, pool, block_table, seq_lens, parts, lse,
+        q, *staged, pool, block_table, seq_lens, parts, lse,
         q.stride(0), q.stride(1), pool.stride(0), block_table.stride(0),
         parts.stride(0), parts.stride(1), parts.stride(2), lse.stride(0), lse.stride(1),
         heads, chunk, float(scale) * _LOG2E,
@@ -708,8 +921,8 @@ def stage1_launch(
         PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, D_C=d_c,
         C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset,
         R_KIND=r.kind, R_ASYM=r.asym, R_W=r.width, R_G=r.group, R_OFF=r.offset,
-        R_SOFF=r.scale_offset, R_LOFF=r.lo_offset,
-        BLOCK_H=block_h, BLOCK_N=config.block_n, D_SPLIT=d_split, ASM=on_gpu, num_warps=warps,
+        R_SOFF=r.scale_offset, R_LOFF=r.lo_offset, NG=_int_groups(c, r),
+        BLOCK_H=block_h, BLOCK_N=config.block_n_for(heads, c.family), D_SPLIT=d_split, ASM=on_gpu, num_warps=warps,
         num_stages=config.num_stages,
     )
     return Launch(_partial_kernel, grid, args, kwargs), parts, lse
@@ -735,9 +948,12 @@ def mla_decode_partials(
         q = q.float()  # the interpreter has no bf16 arithmetic
     if q.stride(-1) != 1:
         q = q.contiguous()
-    launch, parts, lse = stage1_launch(q, pool, block_table, seq_lens, codec, d_c, scale, chunk, longest, config,
-                                       on_gpu)
+    stage0, staged = query_launch(q, codec, d_c, scale, on_gpu)
+    launch, parts, lse = stage1_launch(q, staged, pool, block_table, seq_lens, codec, d_c, scale, chunk, longest,
+                                       config, on_gpu)
     if q.shape[0] and q.shape[1]:
+        if stage0 is not None:
+            stage0.run()
         launch.run()
     return parts, lse, chunk
 
@@ -796,7 +1012,7 @@ def mla_decode(
 
 
 __all__ = [
-    "supports", "Launch", "stage1_launch", "merge_launch",
+    "supports", "Launch", "query_launch", "stage1_launch", "merge_launch",
     "KernelConfig", "load_kernel_config", "mla_decode", "mla_decode_partials", "merge_gated_fp16",
     "interpreter_active", "PAGE_TOKENS",
 ]

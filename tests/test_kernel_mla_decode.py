@@ -72,13 +72,14 @@ def _rows(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(n, D_C + D_R, generator=gen) * chan + 0.3 * torch.randn(D_C + D_R, generator=gen)
 
 
-def build_cache(codec: LayerCodec, seq_lens, seed: int = 0, shuffle: bool = True):
-    """(pool, block_table, seq_lens) holding random rows. shuffle: blocks scattered among spare blocks, free
-    bytes 0xFF (NaN in every codec), unused table entries -1 or a spare block; else in order, zero-filled."""
+def build_cache(codec: LayerCodec, seq_lens, seed: int = 0, shuffle: bool = True, page: int = PAGE):
+    """(pool, block_table, seq_lens) holding random rows on pages of `page` tokens. shuffle: blocks scattered
+    among spare blocks, free bytes 0xFF (NaN in every codec), unused table entries -1 or a spare block; else
+    in order, zero-filled."""
     gen = torch.Generator().manual_seed(seed)
-    need = [-(-n // PAGE) for n in seq_lens]
+    need = [-(-n // page) for n in seq_lens]
     n_blocks = sum(need) + (3 if shuffle else 0)
-    pool = torch.full((n_blocks, PAGE, codec.row_bytes), 0xFF if shuffle else 0, dtype=torch.uint8)
+    pool = torch.full((n_blocks, page, codec.row_bytes), 0xFF if shuffle else 0, dtype=torch.uint8)
     perm_gen = torch.Generator().manual_seed(seed + 1)  # the rows do not depend on the placement
     ids = torch.randperm(n_blocks, generator=perm_gen).tolist() if shuffle else list(range(n_blocks))
     spare = ids[sum(need) :]
@@ -87,7 +88,7 @@ def build_cache(codec: LayerCodec, seq_lens, seed: int = 0, shuffle: bool = True
         mine, ids = ids[: need[b]], ids[need[b] :]
         enc = codec.encode(_rows(n, gen))
         for j, blk in enumerate(mine):
-            seg = enc[j * PAGE : (j + 1) * PAGE]
+            seg = enc[j * page : (j + 1) * page]
             pool[blk, : len(seg)] = seg
         table[b, : need[b]] = torch.tensor(mine, dtype=torch.int32)
         if shuffle and b % 2:
@@ -129,6 +130,34 @@ def test_kernel_matches_reference(codec_name, case, heads):
     # Against the unquantized FP32 query: the INT8 query quantization is the only addition.
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
     _compare(out, lse, ref_out, ref_lse, max_rel=3e-2, min_cosine=0.9995, lse_atol=0.1)
+
+
+@pytest.mark.parametrize("d_split", [1, 2])
+@pytest.mark.parametrize("codec_name", ["fp16/fp16", "int8-row-asym/int8-row", "int4-row/int4-row", "int4-g32/fp16"])
+def test_wide_head_blocks(codec_name, d_split):
+    """The wide path (more heads than `narrow_heads`): several head blocks, the last one partial, and with
+    d_split 2 the value halves in separate programs (each compiled for its half), against the reference."""
+    codec = LayerCodec.from_names(*codec_name.split("/"), D_C, D_R)
+    pool, table, lens = build_cache(codec, (150, 33), seed=9)
+    q = _query(2, 12, seed=9)
+    config = K.KernelConfig(block_n=64, narrow_heads=2, block_h=8, d_split=d_split)
+    assert config.tile_for(12, on_gpu=False) == (8, 8, d_split)
+    out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE, 64, config)
+    ref_out, ref_lse = mla_decode_reference(effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
+
+
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("codec_name", ["fp16/fp16", "int4-row/int8-row"])
+def test_pages_other_than_64_tokens(codec_name, page):
+    """A 16-token page is smaller than a tile (each token's page looked up, `tile_rows`); in a 128-token page
+    a tile starts mid-page (`page_rows` with a row offset). Both against the reference."""
+    codec = LayerCodec.from_names(*codec_name.split("/"), D_C, D_R)
+    pool, table, lens = build_cache(codec, (300, 70), seed=5, page=page)
+    q = _query(2, 4, seed=5)
+    out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE, 128)
+    ref_out, ref_lse = mla_decode_reference(effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
 
 
 @pytest.mark.parametrize(
