@@ -54,21 +54,39 @@ It would also cost n_g small MMAs and n_g INT32->FP32 rescales per tile instead 
 per token, shared by all heads) and one MMA. Speed could not be measured here (no GPU). FP16 P·V is the
 choice (FlashMLA also dequantizes to 16-bit for P·V).
 
-Tiles. A tile is BLOCK_N consecutive tokens of one sequence. When BLOCK_N divides the pool's page (the
-64-token page and the 32-token tile), a tile lies in one page: one block-table entry gives a scalar base and
-every load of the tile is that base plus loop-invariant offsets (`page_rows`; compiled for sm_90a this cut
-the main loop from 1157 to 1006 instructions for FP16 at H = 128, 1395 to 1005 for INT4-row, 1863 to 1202
-for INT8-row, `mlaquant bench kernels --aot`); other page sizes look up each token's page (`tile_rows`). An
-FP16 c_kv tile is read once, as its two channel halves, which are K for the scores and V for P·V (before:
-a K tile and two V halves, the same bytes twice through shared memory: 208 KiB of it, now 144).
+GPU layout (each choice compiled for sm_90a and compared with `mlaquant bench kernels --aot`, Triton 3.9; the
+numbers are the main loop's instructions for INT4-row at H = 128, and the spill bytes per thread of the 18
+decode variants; docs/aot_after.md has the final table):
+- Stage 0 (`_query_kernel`) quantizes an integer part's query once per (sequence, head) into q8, qs·qk_scale
+  and Σq8; stage 1 loads them, and Triton keeps the loaded int8 query in shared memory as the wgmma operand.
+  Quantized inside stage 1, the 64 x 576 query was computed in registers and held there: 36 per thread, the
+  spills of the 64-head variants.
+- Above 16 heads, blocks of 128 heads on 8 warps with the 512 value channels in two programs (`d_split` 2):
+  each warpgroup owns 64 heads (one M = 64 wgmma), so a head's scores, softmax and P stay inside one warpgroup,
+  and the accumulator is 128 x 256 FP32. The two programs of a head block both compute its scores (the MMA
+  work of QK doubles); the 64 x 1 layout instead split every score tile over both warpgroups (an exchange
+  through shared memory per tile) and spilled in all nine variants.
+- A program owns one value half, a constexpr in `_chunk_loop`, so it compiles that half's dequantization only.
+- A tile is BLOCK_N consecutive tokens of one sequence; when BLOCK_N divides the pool's page (32 or 16 of 64)
+  it lies in one page, so one block-table entry gives a scalar base and every load of the tile is that base
+  plus loop-invariant offsets (`page_rows`; 1395 → 1005 instructions); other page sizes look up each token's
+  page (`tile_rows`).
+- Whole tiles run with a constant all-true mask that Triton folds away (no predicates, no −inf select); the
+  one partial tile of a chunk runs first, masked (858 → 730; run last, it left values live across the loop
+  that spilled).
+- FP16 c_kv tiles of an unsplit program are read once, as two channel halves serving as K and as V.
+- Tile length by c_kv family (`KernelConfig.wide_block_n`): 32 tokens for row-wise integer parts, 16 for
+  FP16 and grouped ones, which spill at 32; one pipeline stage (two need 208-376 KiB of shared memory at 128
+  heads). The cost model ignores latency, which more stages would hide; it could not be measured here.
 
 Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page). By default, on
 a GPU, `schedule_chunk` sizes them to fill the SMs (waves x pages per program within 10 % of the best, the
 longest such chunk); under the interpreter they come from `configs/kernels.yaml` by the batch's longest
 context: 512 below 2k tokens, 768 for 2k-8k, 1024 above. Stage 1 runs one program per (head block [x value
 half when `d_split` is 2], chunk, sequence) — head blocks fastest, so the programs reading one tile run side
-by side and all but the first hit L2; `KernelConfig.tile_for` gives the block (64 heads on 8 warps, wgmma,
-above 16 heads; one 16-row block on 4 warps up to 16) — with an FP32 online softmax (base 2) and
+by side and all but the first hit L2; `KernelConfig.tile_for` gives the block (128 heads on 8 warps in two
+value halves, wgmma, above 16 heads; one 16-row block on 4 warps up to 16) — with an FP32 online softmax
+(base 2) and
 writes the chunk's normalized partial output h_k [d_c] and its natural-log LSE λ_k. Stage 2 folds the
 chunks of each sequence left to right:
 
@@ -165,7 +183,9 @@ class KernelConfig:
         """(BLOCK_H, num_warps, D_SPLIT) for `heads` query heads. At most `narrow_heads` heads run as one
         block of that many rows, 4 warps, unsplit (mma.sync: wgmma needs 64 rows, and padding to 64 would
         multiply the MMA work); more run in blocks of `block_h` with `num_warps` and the values split in
-        `d_split` programs. Under the interpreter a block is at most the next power of two of `heads`."""
+        `d_split` programs (64 heads too run as one padded 128-row block: compiled for sm_90a, 64-row blocks
+        predicted no faster for the integer caches and spilled for FP16). Under the interpreter a block is at
+        most the next power of two of `heads`."""
         if heads <= self.narrow_heads:
             block_h, warps, d_split = self.narrow_heads, 4, 1
         else:

@@ -3,8 +3,8 @@ attention shapes H 16, d_c 512, d_r 64) per batch × context × codec × path ("
 "fast" = backend cpu), against the machine's bound measured in the same run.
 
 Every sequence of a batch holds `context` random latent rows on shuffled 64-token pages. Rows: median
-ms per call over `steps` rounds, each round calling every codec and path of the batch and context once
-in turn (`_median_rounds`), fast / reference of the same codec, fast / fast of the first codec (the base, fp16), and the
+ms per call over `steps` rounds, each round calling every codec and path of the batch and context in turn
+(`_median_rounds`), fast / reference of the same codec, fast / fast of the first codec (the base, fp16), and the
 bound: max(cache bytes / bandwidth, FLOPs / peak) with the bandwidth from a large-copy probe, the peak
 from an FP32 GEMM probe (float scores, P·V of float and grouped caches) and an int8 `torch._int_mm` probe
 (integer scores, the two-digit P·V of row-wise integer caches).
@@ -36,13 +36,14 @@ def _median(fn, n: int) -> float:
 
 def _median_rounds(calls: dict, n: int) -> dict:
     """Median seconds of each of `calls` (name → function) over n rounds, each round calling every
-    function once in turn, so drifts of the machine (other tenants, the allocator's state after a large
-    reference call) reach every configuration alike and the ratios compare like with like."""
-    for fn in calls.values():
-        fn()
+    function in turn, so drifts of the machine (other tenants) reach every configuration alike and the
+    ratios compare like with like. Each timed call follows an untimed one of the same function: it finds
+    the allocator and the caches as its own previous call left them (measured: right after a reference call,
+    which frees hundreds of MB, the int4 fast path at batch 16 x 4k took 23-33 ms instead of 23-26)."""
     times = {name: [] for name in calls}
     for _ in range(n):
         for name, fn in calls.items():
+            fn()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
