@@ -26,11 +26,12 @@ each part of width W in groups of G channels, n_g = W / G, see `mlaquant.codecs`
     fp32 / bf16     refused here (BackendError): they exist for exactness checks on the torch path.
 
 Scores. A float part (fp16) is a FP16 x FP16 `tl.dot` with FP32 accumulation. For an integer part the
-query is quantized once per program (before the token loop) per (token, head, group) with the cache part's
-grouping:
+query is quantized once per call by the query kernel (stage 0) per (token, head, group) with the cache
+part's grouping:
 `qs = absmax(q_group) / 127` (FP32, IEEE division), `q8 = round_half_even(q_group / qs)` (an all-zero group
 gets qs = 1, q8 = 0); then per group one INT8 x INT8 -> INT32 `tl.dot` with the group's codes, exact, scaled
-into FP32: `qs * s * dot8` (+ `qs * lo' * Σq8` for asymmetric groups). Asymmetric INT8 codes (0..255)
+into FP32: `qs * s * dot8` (+ `qs * lo' * Σq8` for asymmetric groups), with the score scale folded into
+qs once (a float part's dot is multiplied by it instead). Asymmetric INT8 codes (0..255)
 enter the dot as `q - 128` (the byte XOR 0x80) with `lo' = lo + 128 * s`; asymmetric INT4 codes enter
 unchanged (lo' = lo). INT4 groups of ≥ 64 channels run as two dots over the unsigned nibbles, low (even
 channels) and high (odd channels), against the query's even and odd channels, and symmetric ones subtract
@@ -294,7 +295,8 @@ def _quantize_query_int4(q_row, h_mask, g, G: tl.constexpr):
 
 @triton.jit
 def query_part(q_row, h_mask, KIND: tl.constexpr, W: tl.constexpr, G: tl.constexpr):
-    """The query's part, prepared once per program, as tuples: fp16 -> ((q fp16 [BH, W],), (), ());
+    """The query's part as tuples (computed by the query kernel, and for a float part by stage 1): fp16 ->
+    ((q fp16 [BH, W],), (), ());
     int8 (and int4 groups under 64) -> per group g (q8_g [BH, G]), (qs_g [BH]), (Σq8_g [BH]); int4 ->
     (even_0, odd_0, even_1, ...), (qs_g), (Σq8_g)."""
     if KIND == 0:
