@@ -639,6 +639,8 @@ def _chunk_loop(
     acc_a = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
     whole = start + (end - start) // BLOCK_N * BLOCK_N
+    # The two calls spell out their arguments: packed in a tuple and splatted, the constexprs compile as
+    # tensors (Triton 3.9; the interpreter accepts it), so `_tile_step` could not specialize on them.
     if whole < end:
         m_i, l_i, acc_a, acc_b = _tile_step(
             m_i, l_i, acc_a, acc_b, whole, (whole + tl.arange(0, BLOCK_N)) < end, qc8, qcs, qcsum, qr8, qrs, qrsum,
