@@ -51,17 +51,18 @@ against them (ragged batch, NaN-filled free slots and blocks, permuted block tab
 
 from __future__ import annotations
 
+import math
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import Tensor
 
-from mlaquant.codecs import LayerCodec, RowCodec
+from mlaquant.codecs import CodecSpec, LayerCodec, RowCodec
 from mlaquant.decode_inputs import DecodeInputs, gather_pages
 
-BLOCK_TOKENS = 2048  # tokens per block when the values are decoded to FP32 (2048 x 512 FP32 values = 4 MiB)
+BLOCK_TOKENS = 1024  # tokens per sequence and block when the values are decoded to FP32
 INT_BLOCK_TOKENS = 4096  # row-wise integer c_kv: P·V on the codes, no FP32 values, so fewer and larger blocks
+GROUP_SEQUENCES = 2  # sequences whose blocks run as one batch of ops (module docstring, "Threads")
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453  # scores run in base 2 (`_Sequence`)
 
 
@@ -97,30 +98,68 @@ def prefers(codec: LayerCodec) -> bool:
 PROB_STEP = 128.0  # the low int8 digit of a probability weighs 1/128 of the high one
 
 
-def split_probs(ps: Tensor) -> tuple[Tensor, Tensor]:
-    """Non-negative ps fp32 [H, t] → (digits int8 [2H, t] = [hi; lo], m fp32 [H, 1]) with
-    ps ≈ m · (hi + lo / 128): m = max_t ps / 127 (1 for an all-zero row), hi = round(ps / m) ∈ [0, 127],
-    lo = round((ps / m − hi) · 128) ∈ [−64, 64], so |ps − m · (hi + lo / 128)| ≤ m / 256 per entry."""
-    m = ps.amax(-1, keepdim=True) / 127.0
-    m = torch.where(m > 0, m, torch.ones_like(m))
-    heads = ps.shape[0]
-    digits = torch.empty(2 * heads, ps.shape[1], device=ps.device)  # [hi; lo] in FP32, converted once
-    x = torch.div(ps, m, out=digits[heads:])
-    torch.round(x, out=digits[:heads])
-    x.sub_(digits[:heads]).mul_(PROB_STEP).round_()
-    return digits.to(torch.int8), m
+class Workspace:
+    """Buffers the blocks reuse call after call (one per thread, `_workspace`): a buffer of a few MB
+    allocated fresh takes its page faults on the first write in every block (measured: the first unpack op
+    of a 4096-token int4 block took 880 µs writing a fresh buffer, 150 µs a reused one). It keeps the largest
+    size asked for under each name: a few MB per name at the default block sizes."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+        self._views: dict[str, tuple[tuple[int, ...], torch.dtype, Tensor]] = {}  # the last view handed out
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A contiguous CPU tensor [shape] of `dtype` (contents undefined), valid until `name` is asked for again."""
+        shape = tuple(shape)
+        last = self._views.get(name)
+        if last is not None and last[0] == shape and last[1] == dtype:
+            return last[2]
+        size = math.prod(shape) * dtype.itemsize
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < size:
+            buf = self._buffers[name] = torch.empty(size, dtype=torch.uint8)
+        view = buf[:size].view(dtype).view(shape)
+        self._views[name] = (shape, dtype, view)
+        return view
+
+
+_LOCAL = threading.local()
+
+
+def _workspace() -> Workspace:
+    """This thread's `Workspace` (threads calling the fast path at once never share buffers)."""
+    if not hasattr(_LOCAL, "workspace"):
+        _LOCAL.workspace = Workspace()
+    return _LOCAL.workspace
+
+
+def split_probs(probs: Tensor, s: Tensor, ws: Workspace) -> tuple[Tensor, Tensor]:
+    """The scaled probabilities p·s of a block in two int8 digits: probs fp32 [a, H, t] in [0, 1] (scores
+    less a running max at least their own), row scales s fp32 [a, t, 1] ≥ 0 → (digits int8 [a, 2H, t] =
+    [hi; lo], m fp32 [a, 1, 1]) with p·s ≈ m · (hi + lo / 128): m = max_t s_t / 127 ≥ max_t p_t s_t / 127
+    (the smallest normal FP32 number for all-zero scales), hi = round(p·s / m) ∈ [0, 127], lo = round((p·s /
+    m − hi) · 128) ∈ [−64, 64], so |p·s − m · (hi + lo / 128)| ≤ m / 256 per entry. m from the scales alone
+    spares the pass over [a, H, t] that max_t p_t s_t would take, and the division folds into the product."""
+    m = s.amax(1, keepdim=True).div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)  # [a, 1, 1]
+    a, heads, t = probs.shape
+    digits = ws.get("digits", (a, 2 * heads, t), torch.float32)  # [hi; lo] in FP32, converted once
+    hi, lo = digits[:, :heads], digits[:, heads:]
+    torch.mul(probs, (s / m).transpose(1, 2), out=lo)
+    torch.round(lo, out=hi)
+    lo.sub_(hi).mul_(PROB_STEP).round_()
+    return ws.get("digits8", digits.shape, torch.int8).copy_(digits), m
 
 
 class _Part:
-    """How one row part (c_kv or k_pe) is read: byte range in the row and, for integer parts, the
-    query's quantized form for one sequence (set by `bind`)."""
+    """How one row part (c_kv, k_pe, or a whole float row) is read: its byte range in the row, its codes,
+    scales and zero points, and the query's form for it."""
 
-    def __init__(self, rc: RowCodec, offset: int, device: torch.device) -> None:
-        self.rc, self.offset = rc, offset
+    def __init__(self, rc: RowCodec, offset: int, device: torch.device, name: str) -> None:
+        self.rc, self.offset, self.name = rc, offset, name
         self.is_int = rc.spec.kind in _INT_KINDS
-        self.asym = self.is_int and not rc.spec.symmetric
-        # the part's values are codes · s + lo' (lo' per group) rather than codes · s: asym, and every int4 part
-        self.zero = self.asym or rc.spec.kind == "int4"
+        self.asym = self.is_int and not rc.spec.symmetric  # values codes · s + lo', lo' per row and group
+        # symmetric int4 codes are read unsigned, q + 8: the GEMMs' INT32 sums take − 8 · Σ (exact)
+        self.bias = 8 if self.is_int and rc.spec.kind == "int4" and not self.asym else 0
         lay = rc.layout
         self.n_g, self.g = (lay.n_groups, lay.group_size) if self.is_int else (1, rc.width)
         # int4 codes are unpacked as [low nibbles | high nibbles]: channel order `perm` (even channels, then
@@ -134,33 +173,40 @@ class _Part:
                 self.n_g, self.g = 2 * self.n_g, self.g // 2
 
     def bytes_of(self, raw: Tensor) -> Tensor:
-        """The part's bytes of block rows raw uint8 [t, row_bytes] → [t, part bytes] (a view)."""
+        """The part's bytes of block rows raw uint8 [n, row_bytes] → [n, part bytes] (a view)."""
         return raw[:, self.offset : self.offset + self.rc.row_bytes]
 
     def _stored(self, part: Tensor, offset: int) -> Tensor:
-        """The FP16 array at byte `offset` of the part (one value per stored group) → fp32 [t, n_g]."""
+        """The FP16 array at byte `offset` of the part (one value per stored group) → fp32 [n, n_g]."""
         n = self.rc.layout.n_groups
-        vals = part[:, offset : offset + 2 * n].contiguous().view(torch.float16).float()
+        stored = part[:, offset : offset + 2 * n]
+        try:  # a strided FP16 view of the rows where the byte offsets are even: one pass, no copy
+            vals = stored.view(torch.float16).float()
+        except RuntimeError:
+            vals = stored.contiguous().view(torch.float16).float()
         return vals if n == self.n_g else torch.cat([vals, vals], dim=1)  # half-groups share their group's
 
     def params(self, part: Tensor) -> tuple[Tensor, Tensor | None]:
-        """FP16 scales and the zero points lo' of the codes as `codes` gives them (None without `zero`) of
-        an integer part's bytes → fp32 [t, n_g] each."""
+        """FP16 scales and the zero points lo' of the codes as `codes` gives them (asym only, else None) of
+        an integer part's bytes → fp32 [n, n_g] each."""
         lay = self.rc.layout
         s = self._stored(part, lay.scale_offset)
-        if not self.zero:
+        if not self.asym:
             return s, None
-        if lay.spec.kind == "int4":
-            return s, self._stored(part, lay.zero_offset) if self.asym else s * -8.0
-        return s, self._stored(part, lay.zero_offset) + 128.0 * s
+        lo = self._stored(part, lay.zero_offset)
+        return s, lo if lay.spec.kind == "int4" else lo + 128.0 * s
 
-    def codes(self, part: Tensor) -> Tensor:
-        """int8 codes [t, W] of an integer part (sym int8: a strided view of the block; asym int8: q − 128;
-        int4: the unsigned nibbles in the channel order `perm`, [low nibbles | high nibbles])."""
+    def codes(self, part: Tensor, ws: Workspace) -> Tensor:
+        """int8 codes [n, W] of an integer part (sym int8: a strided view of the block; asym int8: q − 128;
+        int4: the unsigned nibbles in the channel order `perm`, [low nibbles | high nibbles]). A dense copy of
+        the sym int8 codes made the GEMMs faster but the call slower (batch 16 x 4k, wall clock)."""
         rc, raw = self.rc, part[:, : self.rc.layout.code_bytes]
-        if rc.spec.kind == "int8":
-            return raw.view(torch.int8) if rc.spec.symmetric else (raw ^ 0x80).view(torch.int8)
-        return unpack_nibbles(raw)
+        if rc.spec.symmetric and rc.spec.kind == "int8":
+            return raw.view(torch.int8)
+        dense = ws.get(self.name + ".codes", (raw.shape[0], rc.width), torch.uint8)
+        if rc.spec.kind == "int4":
+            return unpack_nibbles(raw, dense)
+        return torch.bitwise_xor(raw, 0x80, out=dense).view(torch.int8)
 
     def quantized_query(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """`quantize_query` of the part's query x [..., H, W] with the stored grouping, in the codes' channel
@@ -170,143 +216,228 @@ class _Part:
             return q8, qs
         return q8.index_select(-1, self.perm), (qs if qs.shape[-1] == self.n_g else torch.cat([qs, qs], dim=-1))
 
-    def query(self, x: Tensor, factor: float) -> Tensor | tuple[Tensor, Tensor, Tensor | None]:
+    def query(self, x: Tensor, factor: float) -> Tensor | tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """The part's query x [B, H, W] as the blocks use it, for all sequences at once, with the score
         factor folded in: FP32 x · factor [B, H, W] for a float part; for an integer part (q8 int8
-        [B, n_g, H, G], qs · factor fp32 [B, n_g, H, 1], qlo fp32 [B, H, n_g] or None); q8 is quantized
-        from x itself, so it stays the kernel's."""
+        [B, n_g, H, G], qs · factor fp32 [B, n_g, H, 1], qlo = Σq8 · qs fp32 [B, H, n_g] (asym, else None),
+        bias · Σq8 int32 [B, n_g, H, 1] (unsigned int4, else None)); q8 is quantized from x itself, so it
+        stays the kernel's."""
         if not self.is_int:
             return (x * factor).contiguous()
         batch, heads, _ = x.shape
         q8, qs = self.quantized_query(x)  # [B, H, W], [B, H, n_g]
         qs = qs * factor
         groups = q8.view(batch, heads, self.n_g, self.g)
-        qlo = (groups.sum(-1, dtype=torch.int32).float() * qs).contiguous() if self.zero else None
-        return groups.transpose(1, 2).contiguous(), qs.transpose(1, 2).unsqueeze(-1).contiguous(), qlo
+        sums = groups.sum(-1, dtype=torch.int32)  # [B, H, n_g]
+        qlo = (sums.float() * qs).contiguous() if self.asym else None
+        shift = (sums * self.bias).transpose(1, 2).unsqueeze(-1).contiguous() if self.bias else None
+        return groups.transpose(1, 2).contiguous(), qs.transpose(1, 2).unsqueeze(-1).contiguous(), qlo, shift
 
 
-NIBBLES = {torch.int64: 0x0F0F0F0F0F0F0F0F, torch.int32: 0x0F0F0F0F}  # the low nibble of each byte of a word
+NIBBLES = {torch.int64: 0x0F0F0F0F0F0F0F0F, torch.int32: 0x0F0F0F0F, torch.int16: 0x0F0F}  # low nibble per byte
 
 
 def _words(raw: Tensor) -> Tensor:
-    """Packed bytes uint8 [t, n] as machine words [t, n / w]: a view as int64, else int32, where the rows'
-    stride, offset and width allow (no copy), else an aligned int64 copy."""
-    t, n = raw.shape
-    for dtype, size in ((torch.int64, 8), (torch.int32, 4)):
+    """Packed bytes uint8 [n, b] as machine words [n, b / w]: a view as int64, int32 or int16, the widest
+    the rows' stride, offset and width allow (no copy; the k_pe codes of an int4-row row start at byte 258),
+    else an aligned int64 copy."""
+    rows, n = raw.shape
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
         if n % size == 0 and raw.stride(0) % size == 0 and raw.storage_offset() % size == 0:
             return raw.view(dtype)
-    return torch.empty(t, n, dtype=torch.uint8, device=raw.device).copy_(raw).view(torch.int64)
+    return torch.empty(rows, n, dtype=torch.uint8, device=raw.device).copy_(raw).view(torch.int64)
 
 
-def unpack_nibbles(raw: Tensor) -> Tensor:
-    """Packed int4 codes uint8 [t, n] (channel 2i in the low nibble of byte i) → unsigned codes int8
-    [t, 2n] = [low nibbles | high nibbles], a 32- or 64-bit word per operation where n % 8 == 0 (a right
-    shift of a signed word brings in sign bits only where the mask then clears them)."""
-    t, n = raw.shape
+def unpack_nibbles(raw: Tensor, out: Tensor | None = None) -> Tensor:
+    """Packed int4 codes uint8 [n, b] (channel 2i in the low nibble of byte i) → unsigned codes int8
+    [n, 2b] = [low nibbles | high nibbles] (written into `out`, uint8 [n, 2b] contiguous, when given), a 16-
+    to 64-bit word per operation where b % 8 == 0 (a right shift of a signed word brings in sign bits only
+    where the mask then clears them)."""
+    rows, n = raw.shape
     if n % 8:
-        return torch.cat([raw & 0x0F, raw >> 4], dim=1).view(torch.int8)
+        codes = torch.cat([raw & 0x0F, raw >> 4], dim=1)
+        return (codes if out is None else out.copy_(codes)).view(torch.int8)
     words = _words(raw)
     w = words.shape[1]
-    out = torch.empty(t, 2 * w, dtype=words.dtype, device=raw.device)
-    torch.bitwise_and(words, NIBBLES[words.dtype], out=out[:, :w])
-    torch.bitwise_right_shift(words, 4, out=out[:, w:])
-    out[:, w:].bitwise_and_(NIBBLES[words.dtype])
+    out = torch.empty(rows, 2 * n, dtype=torch.uint8, device=raw.device) if out is None else out
+    dest = out.view(words.dtype)
+    torch.bitwise_and(words, NIBBLES[words.dtype], out=dest[:, :w])
+    torch.bitwise_right_shift(words, 4, out=dest[:, w:])
+    dest[:, w:].bitwise_and_(NIBBLES[words.dtype])
     return out.view(torch.int8)
 
 
-def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, q8t: Tensor, qs: Tensor,
-                qlo: Tensor | None) -> Tensor:
-    """Unscaled scores [H, t] fp32 of an integer part: codes int8 [t, W], s/lo fp32 [t, n_g],
-    q8t int8 [n_g, H, G] (the query's groups), qs fp32 [n_g, H, 1], qlo fp32 [H, n_g]."""
-    t, heads = codes.shape[0], q8t.shape[1]
-    dots = torch.empty(part.n_g, heads, t, dtype=torch.int32, device=codes.device)
-    for g in range(part.n_g):
-        torch._int_mm(q8t[g], codes[:, g * part.g : (g + 1) * part.g].t(), out=dots[g])
-    scores = torch.mul(dots, qs).mul_(s.t().unsqueeze(1))  # int32 x fp32 → fp32 in one pass
-    scores = scores[0] if part.n_g == 1 else scores.sum(0)
-    return scores if lo is None else scores.addmm_(qlo, lo.t())
+def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, query: tuple, ws: Workspace,
+                into: Tensor | None = None) -> Tensor:
+    """Unscaled base-2 scores [a, H, t] fp32 of an integer part for a sequences (added into `into`, the
+    other part's, when given): codes int8 [a, t, W], s/lo fp32 [a, t, n_g], `query` the a sequences' (q8
+    [a, n_g, H, G], qs [a, n_g, H, 1], qlo [a, H, n_g] | None, shift [a, n_g, H, 1] | None); one
+    `torch._int_mm` per sequence and group (CPU torch has no batched one), the unsigned int4 codes' bias
+    taken off the INT32 dots."""
+    q8, qs, qlo, shift = query
+    a, t = codes.shape[:2]
+    heads = q8.shape[2]
+    dots = ws.get(part.name + ".dots", (a, part.n_g, heads, t), torch.int32)
+    for i in range(a):
+        if part.n_g == 1:
+            torch._int_mm(q8[i, 0], codes[i].t(), out=dots[i, 0])
+            continue
+        for g in range(part.n_g):
+            torch._int_mm(q8[i, g], codes[i, :, g * part.g : (g + 1) * part.g].t(), out=dots[i, g])
+    if shift is not None:
+        dots.sub_(shift)
+    scaled = torch.mul(dots, qs, out=ws.get(part.name + ".scores", dots.shape, torch.float32))  # int32 x fp32
+    s_t = s.transpose(1, 2).unsqueeze(2)  # [a, n_g, 1, t]
+    if part.n_g == 1:
+        scores = scaled[:, 0].mul_(s_t[:, 0]) if into is None else into.addcmul_(scaled[:, 0], s_t[:, 0])
+    else:
+        scores = scaled.mul_(s_t).sum(1)
+        scores = scores if into is None else into.add_(scores)
+    if lo is None:
+        return scores
+    return scores.addcmul_(qlo, lo.transpose(1, 2)) if part.n_g == 1 else scores.baddbmm_(qlo, lo.transpose(1, 2))
 
 
-class _Sequence:
-    """Online-softmax state of one sequence over its blocks: running max m [H], sum l [H], acc [H, d_c]."""
+class _Group:
+    """Online-softmax state of a group of sequences, longest first, over their blocks: running max
+    m [A, H], sum l [A, H], acc [A, H, d_c]. Block j holds tokens [j·t, (j+1)·t) of the group's first a
+    sequences (those still running), so every op of a block serves them all: one Python thread issues
+    few, large ops and torch's intra-op threads share each (module docstring, "Threads")."""
 
-    def __init__(self, queries: list, parts: tuple[_Part, _Part]) -> None:
-        """`queries`: this sequence's entry of each part's `_Part.query` with factor scale · log2(e)
-        (FP32 [H, W], or (q8 [n_g, H, G], qs [n_g, H, 1], qlo [H, n_g] | None)): the blocks' scores come
-        out in base 2 (`exp2` is ~3x faster than `exp` in torch on CPU), so m is the running max of
-        score · log2(e)."""
-        self.parts, self.q = parts, queries
-        first = queries[0] if isinstance(queries[0], Tensor) else queries[0][0]  # [H, W] or [n_g, H, G]
-        heads, device = first.shape[-2], first.device
-        self.m = torch.full((heads,), float("-inf"), device=device)
-        self.l = torch.zeros(heads, device=device)
-        self.acc = torch.zeros(heads, parts[0].rc.width, device=device)
+    def __init__(self, queries: list, parts: tuple[_Part, ...], d_c: int, ws: Workspace,
+                 state: tuple[Tensor, Tensor, Tensor]) -> None:
+        """`parts`: `row_parts`, the first holding the d_c values; `queries`: the group's slice of each
+        part's `_Part.query` with factor scale · log2(e): the blocks' scores come out in base 2 (`exp2` is
+        ~3x faster than `exp` in torch on CPU), so m is the running max of score · log2(e); `state`: the
+        group's (m, l, acc), set by its first block (every sequence has one) and acc zero before."""
+        self.parts, self.q, self.d_c, self.ws = parts, queries, d_c, ws
+        self.m, self.l, self.acc = state
+        self.first = True
 
-    def block(self, raw: Tensor) -> None:
-        """Fold in the rows raw uint8 [t, row_bytes] (all valid)."""
+    def block(self, raw: Tensor, invalid: Tensor | None) -> None:
+        """Fold in the rows raw uint8 [a, t, row_bytes] of the group's first a sequences; invalid bool
+        [a, t] marks rows past a sequence's end (their bytes zero: finite values, masked scores) or None."""
+        a, t = raw.shape[:2]
+        flat = raw.reshape(a * t, raw.shape[2])
         scores, values = None, None
         for p, qp in zip(self.parts, self.q):
-            part = p.bytes_of(raw)
+            part = p.bytes_of(flat)
             if p.is_int:
-                s, lo = p.params(part)
-                codes = p.codes(part)
-                part_scores = _int_scores(p, codes, s, lo, *qp)
+                s, lo = (None if x is None else x.view(a, t, -1) for x in p.params(part))
+                codes = p.codes(part, self.ws).view(a, t, -1)
+                part_scores = _int_scores(p, codes, s, lo, _rows(qp, 0, a), self.ws, into=scores)
                 if p is self.parts[0]:
                     values = (codes, s, lo)
             else:
-                rows = p.rc.decode(part, out=torch.empty(raw.shape[0], p.rc.width, device=raw.device))
-                part_scores = qp @ rows.t()
+                rows = p.rc.decode(part, out=self.ws.get(p.name + ".rows", (a * t, p.rc.width), torch.float32))
+                rows = rows.view(a, t, -1)
+                if scores is None:
+                    out = self.ws.get(p.name + ".scores", (a, qp.shape[1], t), torch.float32)
+                    part_scores = torch.bmm(qp[:a], rows.transpose(1, 2), out=out)
+                else:
+                    part_scores = scores.baddbmm_(qp[:a], rows.transpose(1, 2))
                 if p is self.parts[0]:
-                    values = rows
-            scores = part_scores if scores is None else scores.add_(part_scores)
-        m = torch.maximum(self.m, scores.amax(-1))  # scores [H, t], base 2
-        alpha = torch.exp2(self.m - m)
-        probs = scores.sub_(m.unsqueeze(-1)).exp2_()
-        self.l.mul_(alpha).add_(probs.sum(-1))
-        self.acc.mul_(alpha.unsqueeze(-1))
-        self.m = m
-        if isinstance(values, Tensor):
-            self.acc.addmm_(probs, values)
-        elif self.parts[0].n_g == 1:
-            self._int_pv(probs, *values)
+                    values = rows[..., : self.d_c]
+            scores = part_scores
+        if invalid is not None:
+            scores.masked_fill_(invalid.unsqueeze(1), float("-inf"))
+        m_old, total, acc = self.m[:a], self.l[:a], self.acc[:a]
+        if self.first:  # nothing to rescale yet (a 4k sequence is one block)
+            torch.amax(scores, -1, out=m_old)  # scores [a, H, t], base 2
+            probs = scores.sub_(m_old.unsqueeze(-1)).exp2_()
+            torch.sum(probs, -1, out=total)
+            self.first = False
         else:
-            self._dequant_pv(probs, *values)
+            m = torch.maximum(m_old, scores.amax(-1))
+            alpha = torch.exp2(m_old - m)
+            probs = scores.sub_(m.unsqueeze(-1)).exp2_()
+            total.mul_(alpha).add_(probs.sum(-1))
+            acc.mul_(alpha.unsqueeze(-1))
+            m_old.copy_(m)
+        if isinstance(values, Tensor):
+            acc.baddbmm_(probs, values)
+        elif self.parts[0].n_g == 1:
+            self._int_pv(acc, probs, *values)
+        else:
+            self._dequant_pv(acc, probs, *values)
 
-    def _int_pv(self, probs: Tensor, codes: Tensor, s: Tensor, lo: Tensor | None) -> None:
-        """acc += probs [H, t] @ (codes · s + lo') for a row-wise integer c_kv part (s, lo' [t, 1]), on the
-        codes: the scaled probabilities p·s in two int8 digits (`split_probs`), one exact int8 x int8 ->
-        int32 GEMM [2H, t] x [t, W], the digits combined in FP32; the zero points as probs @ lo'."""
-        digits, m = split_probs(probs * s.t())
-        hi, low = torch._int_mm(digits, codes).float().chunk(2)  # [H, W] each
-        self.acc.addcmul_(hi.add_(low, alpha=1.0 / PROB_STEP), m)
+    def _int_pv(self, acc: Tensor, probs: Tensor, codes: Tensor, s: Tensor, lo: Tensor | None) -> None:
+        """acc [a, H, W] += probs [a, H, t] @ (codes · s + lo') for a row-wise integer c_kv part (codes int8
+        [a, t, W], s, lo' [a, t, 1]), on the codes: the scaled probabilities p·s in two int8 digits
+        (`split_probs`), one exact int8 x int8 -> int32 GEMM [2H, t] x [t, W] per sequence (less the
+        unsigned int4 bias times each digit row's sum), the digits combined in FP32; lo' as probs @ lo'."""
+        ws, heads = self.ws, probs.shape[1]
+        digits, m = split_probs(probs, s, ws)
+        sums = ws.get("sums", (codes.shape[0], 2 * heads, codes.shape[2]), torch.int32)
+        for i in range(codes.shape[0]):
+            torch._int_mm(digits[i], codes[i], out=sums[i])
+        if self.parts[0].bias:
+            sums.sub_(digits.sum(-1, keepdim=True, dtype=torch.int32) * self.parts[0].bias)
+        sums = ws.get("sums32", sums.shape, torch.float32).copy_(sums)
+        acc.addcmul_(sums[:, :heads].add_(sums[:, heads:], alpha=1.0 / PROB_STEP), m)
         if lo is not None:
-            self.acc.add_(probs @ lo)
+            acc.add_(torch.bmm(probs, lo))  # [a, H, 1]: one zero point per row
 
-    def _dequant_pv(self, probs: Tensor, codes: Tensor, s: Tensor, lo: Tensor | None) -> None:
-        """acc += probs [H, t] @ (codes · s + lo') for a grouped integer c_kv part (s, lo' [t, n_g]): the
-        block dequantized in FP32, one FP32 GEMM (per-group integer GEMMs measured ~2x slower than this)."""
+    def _dequant_pv(self, acc: Tensor, probs: Tensor, codes: Tensor, s: Tensor, lo: Tensor | None) -> None:
+        """acc [a, H, W] += probs [a, H, t] @ (codes · s + lo') for a grouped integer c_kv part (s, lo'
+        [a, t, n_g]): the block dequantized in FP32, one batched FP32 GEMM (per-group integer GEMMs measured
+        ~2x slower than this)."""
         p = self.parts[0]
-        v = codes.float().view(codes.shape[0], p.n_g, p.g).mul_(s.unsqueeze(-1))
+        a, t = codes.shape[:2]
+        v = self.ws.get("values", (a, t, p.n_g, p.g), torch.float32).copy_(codes.view(a, t, p.n_g, p.g))
+        if p.bias:
+            v.sub_(p.bias)
+        v.mul_(s.unsqueeze(-1))
         if lo is not None:
             v.add_(lo.unsqueeze(-1))
-        self.acc.addmm_(probs, v.view(codes.shape[0], -1))
-
-    def result(self) -> tuple[Tensor, Tensor]:
-        """(out [H, d_c], lse [H]) of the blocks folded in so far (out 0, lse −inf before any)."""
-        perm = self.parts[0].perm
-        acc = self.acc if perm is None else torch.empty_like(self.acc).index_copy_(1, perm, self.acc)
-        if torch.isinf(self.m).all():
-            return acc, self.m.clone()
-        return acc / self.l.unsqueeze(-1), (self.m + torch.log2(self.l)) * LN2
+        acc.baddbmm_(probs, v.view(a, t, -1))
 
 
-def _blocks(pool: Tensor, pages: list[int], n_tokens: int, block_tokens: int):
-    """Rows uint8 [t, row_bytes] of the first n_tokens tokens on `pages`, block by block (whole pages:
-    a view of the pool where the block's pages are consecutive, else a copy of just those pages)."""
-    block_size = pool.shape[1]
+
+def _finish(ckv: _Part, m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tensor, Tensor]:
+    """(out [n, H, d_c], lse [n, H]) of the sequences' running max m and sum [n, H] (base 2) and acc
+    [n, H, d_c] (in the codes' channel order, undone here)."""
+    if ckv.perm is not None:
+        acc = torch.empty_like(acc).index_copy_(2, ckv.perm, acc)
+    return acc.div_(total.unsqueeze(-1)), m.add_(torch.log2(total)).mul_(LN2)
+
+
+def row_parts(codec: LayerCodec, device: torch.device) -> tuple[_Part, ...]:
+    """How the blocks read a row: (c_kv part, k_pe part), or one part for the whole row where both parts
+    are the same float kind (fp16/fp16: one FP32 conversion and one score GEMM [H, d_c + d_r] x [d_c + d_r,
+    t] per block instead of two of each; the values are the first d_c columns of that block)."""
+    ckv, kpe = codec.ckv.spec, codec.kpe.spec
+    if ckv.is_float and ckv == kpe:
+        row = RowCodec.build(CodecSpec(ckv.kind), codec.ckv.width + codec.kpe.width)
+        return (_Part(row, 0, device, "row"),)
+    return _Part(codec.ckv, 0, device, "ckv"), _Part(codec.kpe, codec.layout.kpe_offset, device, "kpe")
+
+
+def _group_blocks(pool: Tensor, pages: list[list[int]], lens: list[int], block_tokens: int, ws: Workspace):
+    """(rows uint8 [a, t, row_bytes], invalid bool [a, t] | None) of each block of a group of sequences
+    (pages[i] and lens[i] > 0 per sequence, longest first), block by block: the a sequences still running,
+    t = whole pages up to block_tokens. One sequence: its valid rows only (a view of the pool where the
+    block's pages are consecutive, else a copy of those pages). Several: a copy of their pages, a shorter
+    sequence's missing pages filled with one of its own and the rows past its end zeroed and marked."""
+    block_size, row_bytes = pool.shape[1], pool.shape[2]
     per = max(1, block_tokens // block_size)
-    for i in range(0, len(pages), per):
-        yield gather_pages(pool, [pages[i : i + per]])[0, : n_tokens - i * block_size]
+    for start in range(0, -(-lens[0] // block_size), per):
+        begin = start * block_size
+        n_valid = [min(n - begin, per * block_size) for n in lens if n > begin]
+        width = -(-n_valid[0] // block_size)
+        ids = [row[start : start + width] for row in pages[: len(n_valid)]]
+        ids = [row + row[:1] * (width - len(row)) for row in ids]
+        raw = gather_pages(pool, ids, out=ws.get("raw", (len(ids), width * block_size, row_bytes), torch.uint8))
+        if len(ids) == 1:
+            yield raw[:, : n_valid[0]], None
+            continue
+        t = width * block_size
+        if all(n == t for n in n_valid):
+            yield raw, None
+            continue
+        for row, n in zip(raw, n_valid):
+            row[n:] = 0
+        yield raw, torch.arange(t, device=pool.device) >= torch.tensor(n_valid, device=pool.device).unsqueeze(1)
 
 
 def mla_decode_cpu(
@@ -318,78 +449,39 @@ def mla_decode_cpu(
     d_c: int,
     scale: float,
     block_tokens: int | None = None,
+    group: int = GROUP_SEQUENCES,
 ) -> tuple[Tensor, Tensor]:
     """Fast CPU `mla_decode` (module docstring): q [B, H, d_c + d_r] float, pool uint8 [num_blocks,
     block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B] → out [B, H, d_c] fp32,
-    lse [B, H] fp32 (seq_lens 0: out 0, lse −inf). block_tokens: tokens per block, rounded to whole pages
-    (default `block_tokens_for(codec)`)."""
+    lse [B, H] fp32 (seq_lens 0: out 0, lse −inf). block_tokens: tokens per sequence and block, rounded to
+    whole pages (default `block_tokens_for(codec)`); group: sequences whose blocks run as one batch of ops,
+    longest first."""
     pages, lens = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c).host_pages()
     block_tokens = block_tokens or block_tokens_for(codec)
-    parts = (_Part(codec.ckv, 0, q.device), _Part(codec.kpe, codec.layout.kpe_offset, q.device))
+    parts = row_parts(codec, q.device)
     batch, heads, _ = q.shape
     out = torch.zeros(batch, heads, d_c, device=q.device)
     lse = torch.full((batch, heads), float("-inf"), device=q.device)
-
-    x = q.float().split([parts[0].rc.width, parts[1].rc.width], dim=-1)
-    queries = [p.query(xp, scale * LOG2E) for p, xp in zip(parts, x)]
-
-    def run(b: int) -> None:
-        seq = _Sequence([_entry(qp, b) for qp in queries], parts)
-        for raw in _blocks(pool, pages[b], lens[b], block_tokens):
-            seq.block(raw)
-        out[b], lse[b] = seq.result()
-
     order = sorted((b for b, n in enumerate(lens) if n), key=lambda b: -lens[b])
-    threads = torch.get_num_threads()
-    if threads <= 1 or len(order) <= 1:
-        for b in order:
-            run(b)
-        return out, lse
-    torch.set_num_threads(1)  # one sequence per core: the per-block ops are too small to split
-    try:
-        run_shared(order, min(threads, len(order)), run)
-    finally:
-        torch.set_num_threads(threads)
-    return out, lse
+    index = torch.tensor(order, dtype=torch.long, device=q.device)
+    x = q.float().index_select(0, index).split([p.rc.width for p in parts], dim=-1)
+    queries = [p.query(xp, scale * LOG2E) for p, xp in zip(parts, x)]
+    ws, n = _workspace(), len(order)
+    m, total = torch.empty(n, heads, device=q.device), torch.empty(n, heads, device=q.device)
+    acc = torch.zeros(n, heads, d_c, device=q.device)
+    for g0 in range(0, n, group):
+        seqs = order[g0 : g0 + group]
+        state = (m[g0 : g0 + len(seqs)], total[g0 : g0 + len(seqs)], acc[g0 : g0 + len(seqs)])
+        runner = _Group([_rows(qp, g0, g0 + len(seqs)) for qp in queries], parts, d_c, ws, state)
+        for raw, invalid in _group_blocks(pool, [pages[b] for b in seqs], [lens[b] for b in seqs], block_tokens, ws):
+            runner.block(raw, invalid)
+    o, s = _finish(parts[0], m, total, acc)
+    return out.index_copy_(0, index, o), lse.index_copy_(0, index, s)
 
 
-def _entry(query, b: int):
-    """Sequence b's entry of a part's batched `_Part.query`."""
-    return query[b] if isinstance(query, Tensor) else tuple(t if t is None else t[b] for t in query)
-
-
-_POOL: dict[int, ThreadPoolExecutor] = {}  # worker count → pool, kept between calls (starting threads costs)
-
-
-def _workers(n: int) -> ThreadPoolExecutor:
-    """A thread pool of `n` workers, created on first use and kept."""
-    if n not in _POOL:
-        _POOL[n] = ThreadPoolExecutor(n, thread_name_prefix="mlaquant-cpu-decode")
-    return _POOL[n]
-
-
-def run_shared(order: list[int], workers: int, fn) -> None:
-    """fn(b) for every b of `order` on `workers` threads, the caller one of them: each takes the next b
-    when its last is done, so a thread that starts late (measured here: the pool's thread 4-5 ms after the
-    call, every call) or runs slower simply takes fewer (fixed equal groups left the other core idle that
-    long). Returns when every fn(b) has returned; an exception in any is raised after all have stopped."""
-    queue = iter(order)
-    lock = threading.Lock()
-
-    def worker() -> None:
-        while True:
-            with lock:
-                b = next(queue, None)
-            if b is None:
-                return
-            fn(b)
-
-    helpers = [_workers(workers - 1).submit(worker) for _ in range(workers - 1)]
-    try:
-        worker()
-    finally:
-        for h in helpers:
-            h.result()
+def _rows(query, begin: int, end: int):
+    """Sequences [begin, end) of a part's batched `_Part.query` (a tensor, or a tuple of tensors / None)."""
+    return query[begin:end] if isinstance(query, Tensor) else tuple(x if x is None else x[begin:end] for x in query)
 
 
 def error_bound(
@@ -398,13 +490,13 @@ def error_bound(
 ) -> tuple[Tensor, Tensor]:
     """Worst-case |lse error| [B, H] and |out error| [B, H, d_c] of `mla_decode_cpu` against the FP32
     reference, for q [B, H, d_c + d_r] and each sequence's decoded rows [T_b, d_c + d_r] (module
-    docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + 2^-20 · Σ_c |q_c k_c| [+ 2^-18 · Σ_g Σ_c∈g |q_c| ·
-    max_c∈g |k_c| for symmetric int4: its unsigned codes' FP32 epilogue cancels]) · (1 + 2^-10) over the
+    docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + 2^-20 · Σ_c |q_c k_c|) · (1 + 2^-10) over the
     tokens (the qs term only when `quantized_query`: off for a query already equal to its quantized
     value), Δout = (e^(2 Δs) − 1 + 2^-12) · max_t |v[t, c]| + the P·V digit term of a row-wise integer
-    c_kv part, e^(4 Δs) · max_t(p_t s_t) · Σ_t |q_t,c| / (127 · 256 · Σ_t p_t) with p_t = e^(score_t − max)
+    c_kv part, e^(4 Δs) · max_t s_t · Σ_t |q_t,c| / (127 · 256 · Σ_t p_t) with p_t = e^(score_t − max)
     and s_t = `row_scales[b]` fp32 [T_b] (the stored c_kv row scales; required for such a part); |q_t,c| =
-    |v_t,c| / s_t for symmetric int8 codes, the codes' bound otherwise (128 asym int8, 15 unsigned int4)."""
+    |v_t,c| / s_t for symmetric codes (the int4 bias comes off the INT32 sums exactly), the codes' bound
+    for asymmetric ones (128 int8, 15 int4: their zero points are added apart)."""
     int_pv = codec.ckv.spec.kind in _INT_KINDS and codec.ckv.layout.n_groups == 1
     if int_pv and row_scales is None:
         raise ValueError(f"error_bound: codec {codec.name} decodes P·V on the codes; pass row_scales")
@@ -422,8 +514,6 @@ def error_bound(
             if rc.spec.kind in _INT_KINDS and quantized_query:
                 _, qs = quantize_query(qb[:, sl], g)  # [H, n_g]
                 bound += (qs / 2) @ _grouped(k_abs[:, sl], g).sum(-1).t()
-            if rc.spec.kind == "int4" and rc.spec.symmetric:  # unsigned codes: |x·s| ≤ |k| + 8/7 absmax(group)
-                bound += 2.0**-18 * _grouped(qb[:, sl].abs(), g).sum(-1) @ _grouped(k_abs[:, sl], g).amax(-1).t()
         ds = scale * (1 + 2.0**-10) * bound.amax(-1)
         out = (torch.expm1(2 * ds) + 2.0**-12).unsqueeze(-1) * kv[:, :d_c].abs().amax(0)
         if int_pv:
@@ -442,10 +532,10 @@ def _digit_bound(q: Tensor, kv: Tensor, codec: LayerCodec, d_c: int, scale: floa
     """The P·V digit term of `error_bound` for one sequence: [H, d_c]."""
     scores = (q @ kv.t()) * scale  # [H, T]
     p = (scores - scores.amax(-1, keepdim=True)).exp()
-    if codec.ckv.spec.kind == "int8" and codec.ckv.spec.symmetric:
+    if codec.ckv.spec.symmetric:
         safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
         sum_q = (kv[:, :d_c].abs() / safe).sum(0)  # [d_c]
     else:
         sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 15.0) * kv.shape[0], device=kv.device)
-    top = (p * s).amax(-1) / (127.0 * 256.0 * p.sum(-1))  # [H]
+    top = s.amax() / (127.0 * 256.0 * p.sum(-1))  # [H]: the digits' m = max_t s_t / 127 (`split_probs`)
     return (torch.exp(4 * ds) * top).unsqueeze(-1) * sum_q

@@ -106,10 +106,11 @@ class DecodeInputs:
             raise ValueError("mla_decode: each pool block must be contiguous")
 
 
-def gather_pages(pool: Tensor, pages: list[list[int]]) -> Tensor:
+def gather_pages(pool: Tensor, pages: list[list[int]], out: Tensor | None = None) -> Tensor:
     """Pages `pages[b]` (block ids, n per sequence) of pool uint8 [num_blocks, block_size, row_bytes], in
     order → uint8 [B, n * block_size, row_bytes]: a view of the pool when there is one sequence and its
-    pages are consecutive (a sequence filled in order), else whole-page copies."""
+    pages are consecutive (a sequence filled in order), else whole-page copies, written into `out` (uint8,
+    contiguous, that shape) when given."""
     num_blocks, block_size, row_bytes = pool.shape
     batch, n = len(pages), len(pages[0])
     first = pages[0][0] if n else 0
@@ -117,6 +118,11 @@ def gather_pages(pool: Tensor, pages: list[list[int]]) -> Tensor:
         return pool[first : first + n].view(1, n * block_size, row_bytes)
     # whole pages as flat rows of 8-byte words: index_select copies them several times faster than pool[pages]
     flat = pool.reshape(num_blocks, block_size * row_bytes)
-    flat = flat.view(torch.int64) if flat.shape[1] % 8 == 0 and flat.is_contiguous() else flat
+    words = flat.shape[1] % 8 == 0 and flat.is_contiguous()
+    flat = flat.view(torch.int64) if words else flat
     index = torch.tensor(pages, dtype=torch.long, device=pool.device).flatten()
+    if out is not None:
+        dest = out.view(batch * n, block_size * row_bytes)
+        torch.index_select(flat, 0, index, out=dest.view(torch.int64) if words else dest)
+        return out
     return flat.index_select(0, index).view(torch.uint8).view(batch, n * block_size, row_bytes)

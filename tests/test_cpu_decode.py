@@ -69,11 +69,12 @@ def _row_scales(codec: LayerCodec, rows: torch.Tensor) -> torch.Tensor | None:
 
 
 @pytest.mark.parametrize("names", CODECS, ids=lambda n: "/".join(n))
-@pytest.mark.parametrize("block_tokens", [16, 1024])
-def test_fast_path_within_stated_bound_of_reference(names, block_tokens):
+@pytest.mark.parametrize("block_tokens, group", [(16, 1), (16, 8), (1024, 2)])
+def test_fast_path_within_stated_bound_of_reference(names, block_tokens, group):
+    """Groups of one sequence, of all five (ragged: padded pages, zeroed and masked rows), of two."""
     codec = LayerCodec.from_names(*names, D_C, D_R)
     q, pool, table, lens, decoded, scales = _cache(codec, LENS)
-    out, lse = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=block_tokens)
+    out, lse = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=block_tokens, group=group)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
     d_lse, d_out = error_bound(q, decoded, codec, D_C, SCALE, scales)
     assert torch.isfinite(out).all()
@@ -152,32 +153,3 @@ def test_auto_keeps_many_group_codecs_on_the_reference(monkeypatch):
     ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), ref):
         assert torch.equal(a, b)
-
-
-def test_run_shared_runs_each_sequence_once_and_raises_after_all_stop():
-    import threading
-    import time
-
-    from mlaquant.cpu_decode import run_shared
-
-    seen, names = [], set()
-
-    def fn(b: int) -> None:
-        time.sleep(0.001 * (b % 3))  # uneven work: the threads take different counts
-        seen.append(b)
-        names.add(threading.current_thread().name)
-
-    run_shared(list(range(20)), 3, fn)
-    assert sorted(seen) == list(range(20)) and len(names) > 1
-
-    done = []
-
-    def failing(b: int) -> None:
-        if b == 0:
-            raise ValueError("boom")
-        time.sleep(0.002)
-        done.append(b)
-
-    with pytest.raises(ValueError, match="boom"):
-        run_shared(list(range(8)), 2, failing)
-    assert sorted(done) == list(range(1, 8))  # the helper finished the rest before the error surfaced
