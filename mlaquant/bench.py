@@ -71,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
         help="comma-separated batch sizes: time the decode-attention call per batch, codec and path "
         "(reference / fast) against the machine bound instead of whole steps (mlaquant.bench_attention)",
     )
+    d.add_argument(
+        "--fast-blocks",
+        default="",
+        help="with --batch: extra fast-path rows, comma-separated BLOCKxGROUP (tokens per sequence and block "
+        "x sequences per group, e.g. 1024x2,4096x1) to tune mlaquant.cpu_decode's defaults",
+    )
     d.add_argument("--out", default=None, help="also write the table as JSON here")
     add_device_arguments(d)
     m = sub.add_parser("memory", help="FP16 latent vs per-head K/V cache bytes per token per layer")
@@ -274,6 +280,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fast_blocks(text: str) -> list[tuple[int, int]]:
+    """`--fast-blocks` "1024x2,4096x1" → [(1024, 2), (4096, 1)]."""
+    blocks = []
+    for item in filter(None, text.split(",")):
+        parts = item.split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise MLAQuantError(f"--fast-blocks: {item!r} is not BLOCKxGROUP (two positive integers, e.g. 1024x2)")
+        blocks.append((int(parts[0]), int(parts[1])))
+    return blocks
+
+
 def _run_attention(args: argparse.Namespace, contexts: list[int], codecs: list[str]) -> int:
     from mlaquant import bench_attention
 
@@ -281,12 +298,13 @@ def _run_attention(args: argparse.Namespace, contexts: list[int], codecs: list[s
         batches = [int(b) for b in args.batch.split(",")]
     except ValueError as e:
         raise MLAQuantError(f"--batch must be comma-separated integers, got {args.batch!r}") from e
+    fast_blocks = _fast_blocks(args.fast_blocks)
     print(
         f"decode attention call, DeepSeek-V2-Lite shapes (H 16, d_c 512, d_r 64), {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}"
     )
     print(bench_attention.format_header())
-    results = bench_attention.bench_attention(batches, contexts, codecs, args.steps)
+    results = bench_attention.bench_attention(batches, contexts, codecs, args.steps, fast_blocks)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0

@@ -1,6 +1,7 @@
 """`mlaquant bench decode --batch 1,16`: one decode-attention call (`ops.mla_decode`, DeepSeek-V2-Lite
 attention shapes H 16, d_c 512, d_r 64) per batch × context × codec × path ("reference" = backend torch,
-"fast" = backend cpu), against the machine's bound measured in the same run.
+"fast" = backend cpu; "fast BxG" = the fast path with B tokens per sequence and block, G sequences per
+group, for tuning `cpu_decode`'s defaults), against the machine's bound measured in the same run.
 
 Every sequence of a batch holds `context` random latent rows on shuffled 64-token pages. Rows: median
 ms per call over `steps` rounds, each round calling every codec and path of the batch and context in turn
@@ -18,6 +19,7 @@ import time
 import torch
 
 from mlaquant.codecs import LayerCodec
+from mlaquant.cpu_decode import mla_decode_cpu
 from mlaquant.ops import mla_decode
 
 HEADS, D_C, D_R, PAGE = 16, 512, 64, 64
@@ -84,8 +86,23 @@ def _problem(codec: LayerCodec, batch: int, context: int, seed: int):
     return q, pool, table, torch.full((batch,), context, dtype=torch.int32)
 
 
-def bench_attention(batches: list[int], contexts: list[int], codecs: list[str], steps: int) -> list[dict]:
-    """One dict per (batch, context, codec, path): ms, ratios, bound (see the module docstring)."""
+def _fast_variant(block_tokens: int, group: int):
+    """mla_decode_cpu with these block settings: the rows `fast <block_tokens>x<group>`."""
+
+    def call(q, pool, table, lens, codec, d_c, scale, _backend):
+        return mla_decode_cpu(q, pool, table, lens, codec, d_c, scale, block_tokens=block_tokens, group=group)
+
+    return call
+
+
+def bench_attention(
+    batches: list[int], contexts: list[int], codecs: list[str], steps: int,
+    fast_blocks: list[tuple[int, int]] = (),
+) -> list[dict]:
+    """One dict per (batch, context, codec, path): ms, ratios, bound (see the module docstring).
+    fast_blocks: extra fast-path rows, one per (tokens per sequence and block, sequences per group)."""
+    paths = {path: (mla_decode, backend) for path, backend in PATHS.items()}
+    paths.update({f"fast {bt}x{g}": (_fast_variant(bt, g), "cpu") for bt, g in fast_blocks})
     probes = machine_probes()
     print(
         f"-- probes: {probes['bandwidth_Bps'] / 1e9:.1f} GB/s copy, {probes['fp32_flops'] / 1e9:.0f} GFLOP/s FP32, "
@@ -100,9 +117,9 @@ def bench_attention(batches: list[int], contexts: list[int], codecs: list[str], 
                 codec = LayerCodec.from_names(*(name.split("/") if "/" in name else (name, name)), D_C, D_R)
                 q, pool, table, lens = _problem(codec, batch, context, seed=context)
                 bounds[name] = step_bound(codec, batch, context, probes)
-                for path, backend in PATHS.items():
+                for path, (fn, backend) in paths.items():
                     args = (q, pool, table, lens, codec, D_C, D_C**-0.5, backend)
-                    calls[(name, path)] = lambda args=args: mla_decode(*args)
+                    calls[(name, path)] = lambda fn=fn, args=args: fn(*args)
             rows = [{"batch": batch, "context": context, "codec": name, "path": path, "s": sec,
                      "bound_s": bounds[name]} for (name, path), sec in _median_rounds(calls, steps).items()]
             by = {(r["codec"], r["path"]): r["s"] for r in rows}

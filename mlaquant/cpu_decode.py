@@ -4,34 +4,42 @@ copy of the context. Same op and arguments as `mlaquant.ops.mla_decode` (backend
     score[b, h, t] = scale * (q[b, h, :d_c] · c_kv[b, t] + q[b, h, d_c:] · k_pe[b, t])   t < seq_lens[b]
     out[b, h]      = softmax_t(score[b, h]) @ c_kv[b]            lse[b, h] = logsumexp_t(score[b, h])
 
-Each sequence is read in blocks of `block_tokens_for(codec)` tokens (whole pages: a view of the pool when the pages
-are consecutive, else a copy of those pages only), so every decoded value lives in a cache-sized buffer
-and is used for the scores and for P·V before the next block is read; the softmax runs online across the
-blocks (FP32 running max and sum, flash-style), so a float cache is converted once, not once for the scores
-and again for P·V as a two-pass scheme would (the two-pass variant was not timed). Block size (blocks of
-512-4096 tokens timed at batch 16 x 4k / 16k): the integer paths are bound by their per-block small ops and
-gain up to 4096 tokens (`INT_BLOCK_TOKENS`); blocks decoded to FP32 stop gaining past 2048 (`BLOCK_TOKENS`).
+Blocks. Sequences run longest first in groups of `GROUP_SEQUENCES`; block j of a group holds tokens
+[j·t, (j+1)·t) of its sequences still running (t = `block_tokens_for(codec)`, whole pages), copied out of
+the pool in one `index_select` (a view of the pool for a lone sequence on consecutive pages; a shorter
+sequence's missing pages are padded with its own, the rows past its end zeroed and their scores masked).
+Every decoded value lives in a cache-sized buffer and serves the scores and P·V before the next block is
+read; the softmax runs online over the blocks (FP32 running max and sum in base 2, flash-style), so a float
+cache is converted once. Buffers come from a per-thread `Workspace`, reused call after call.
+
+Threads. One Python thread issues each block's ops for the whole group at once (bmm, batched elementwise
+ops; `torch._int_mm` per sequence, CPU torch has no batched one) and torch's intra-op threads split each
+op. The last release ran one sequence per Python thread instead: on 2 cores that scaled 1.0-1.3x (the GIL
+is released and retaken around every op, and this path issues ~40 per block) where two processes scaled
+2x (README, "The decode-attention call", has both releases' times; `mlaquant bench decode --batch 16
+--fast-blocks BxG,...` times other block and group sizes).
 
 Scores of an integer part (int8/int4, sym/asym, any grouping). The query is quantized per (token, head,
 group) exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q8 = round_half_even(q /
 qs)); per group one int8 x int8 -> int32 `torch._int_mm` (oneDNN, VNNI where the CPU has it) of the
 block's codes with q8, exact; then in FP32 `qs * s * dot` (+ `qs * lo' * Σq8` for asymmetric groups).
 Codes enter the GEMM as int8: sym int8 as stored (a view, no copy), asym int8 as q − 128 (one XOR of the
-byte with 0x80) with lo' = lo + 128 s; int4 nibbles unsigned (0..15, unpacked eight at a time in 64-bit
-words: one AND, one shift, one AND) with lo' = lo (asymmetric) or lo' = −8 s (symmetric: x − 8 = q), so
-every int4 part takes the zero-point term (+ `qs * lo' * Σq8`), which is exact integer arithmetic too.
-A float part (fp16, bf16, fp32, fp8) is decoded by its codec into an FP32 block and multiplied in FP32.
+byte with 0x80) with lo' = lo + 128 s; int4 nibbles unsigned (0..15, one AND, one shift, one AND per 16-
+to 64-bit word) with lo' = lo (asymmetric); symmetric int4 nibbles are q + 8, and the 8 · Σq8 comes off
+the INT32 dots before the epilogue (exact). A float part (fp16, bf16, fp32, fp8) is decoded by its codec
+into an FP32 block and multiplied in FP32; two float parts of one kind (fp16/fp16) are one [t, d_c + d_r]
+block and one GEMM.
 
 P·V. A row-wise integer c_kv part (one scale s_t per row) is never dequantized: the scaled probabilities
-p_t·s_t of a block are written as two int8 digits per head (`split_probs`: m · (hi + lo/128), m = max/127,
-|error| ≤ m/256), and one int8 x int8 -> int32 GEMM [2H, t] x [t, d_c] on the dot-form codes gives both
-digits' exact sums, combined in FP32 (+ probs @ lo' for asymmetric codes). A grouped integer part is
-dequantized block by block in FP32 (`q · s + lo'`) and multiplied in FP32 (per-group integer GEMMs, one
-per group and block, measured slower); a float part is its FP32 block from the scores. int4 codes
-are unpacked as [low nibbles | high nibbles] (channel order `_Part.perm`, undone once per sequence on the
-output): one contiguous pass instead of an interleaving one. BF16 P·V (codes exact in BF16) is not used:
-torch on CPU has no BF16 GEMM with an FP32 result, and rounding each block's output to BF16 (2^-9 relative)
-loses more than the two digits do (m/256 per probability, m = max/127).
+p_t·s_t of a block are written as two int8 digits per head (`split_probs`: m · (hi + lo/128), m = max_t
+s_t / 127, |error| ≤ m/256), and one int8 x int8 -> int32 GEMM [2H, t] x [t, d_c] per sequence on the
+codes gives both digits' exact sums (less 8 · Σ digits for symmetric int4), combined in FP32 (+ probs @
+lo' for asymmetric codes). A grouped integer part is dequantized block by block in FP32 (`(q − bias) · s
++ lo'`) and multiplied in FP32 (per-group integer GEMMs, one per group and block, measured slower); a
+float part is its FP32 block from the scores. int4 codes are unpacked as [low nibbles | high nibbles]
+(channel order `_Part.perm`, undone once on the output): one contiguous pass instead of an interleaving
+one. BF16 P·V (codes exact in BF16) is not used: torch on CPU has no BF16 GEMM with an FP32 result, and
+rounding each block's output to BF16 (2^-9 relative) loses more than the two digits do (m/256 per entry).
 
 Error against the FP32 reference (`mla_decode_reference`, the same quantized cache):
 
@@ -41,7 +49,7 @@ Error against the FP32 reference (`mla_decode_reference`, the same quantized cac
   P·V      a score error Δs moves each probability by a factor within e^(±2Δs), so |Δout[h, c]| ≤
            (e^(2 Δs) − 1) · max_t |v[t, c]|; FP32 P·V and the online rescaling add ≤ 2^-12 · max_t |v[t, c]|
            (≤ BLOCK_TOKENS · 2^-24 = 2^-13 within a block's FP32 GEMM, a few 2^-24 per block merge, for T < 2^20);
-           the two int8 digits of p·s (row-wise integer c_kv) add ≤ e^(4Δs) · max_t(p_t s_t) · Σ_t |q_t,c| /
+           the two int8 digits of p·s (row-wise integer c_kv) add ≤ e^(4Δs) · max_t s_t · Σ_t |q_t,c| /
            (127 · 256 · Σ_t p_t), p_t = e^(score_t − max score), q the codes (`error_bound` computes it).
   lse      |Δlse| ≤ Δs = max_t |Δscore[t]| (+ FP32 rounding).
 
@@ -63,11 +71,11 @@ from mlaquant.decode_inputs import DecodeInputs, gather_pages
 BLOCK_TOKENS = 1024  # tokens per sequence and block when the values are decoded to FP32
 INT_BLOCK_TOKENS = 4096  # row-wise integer c_kv: P·V on the codes, no FP32 values, so fewer and larger blocks
 GROUP_SEQUENCES = 2  # sequences whose blocks run as one batch of ops (module docstring, "Threads")
-LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453  # scores run in base 2 (`_Sequence`)
+LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453  # scores run in base 2 (`_Group`)
 
 
 def block_tokens_for(codec: LayerCodec) -> int:
-    """Tokens per block for `codec` (`mlaquant bench decode --batch 16` measured 512 / 1024 / 2048 / 4096)."""
+    """Tokens per sequence and block for `codec` (`mlaquant bench decode --batch 16 --fast-blocks`)."""
     ckv = codec.ckv
     return INT_BLOCK_TOKENS if ckv.spec.kind in _INT_KINDS and ckv.layout.n_groups == 1 else BLOCK_TOKENS
 _INT_KINDS = ("int8", "int4")

@@ -26,8 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
-                   help="decode attention: auto = triton on CUDA; on CPU the fast cpu path where it is faster "
-                   "(ops.CPU_FAST_MIN_TOKENS), else torch; torch = the FP32 reference")
+                   help="decode attention: auto = triton on CUDA; on CPU the fast cpu path where it measured "
+                   "faster (ops.auto_takes_fast), else torch; torch = the FP32 reference")
     p.add_argument(
         "--guard-config",
         default=None,

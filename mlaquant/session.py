@@ -60,8 +60,8 @@ class DecodeSession:
     """Prefill + decode for a batch of sequences over a (possibly quantized) paged latent cache.
 
     plan: "fp16" | "fp32" | "bf16" | "int8" | "int4" | "<ckv>/<kpe>" codec names | a plan directory |
-    a `Plan`. backend: "auto" (Triton on CUDA; on CPU the fast path for calls reading at least
-    `ops.CPU_FAST_MIN_TOKENS` cached tokens, torch below) | "cpu" | "torch" | "triton".
+    a `Plan`. backend: "auto" (Triton on CUDA; on CPU the fast path for the calls `ops.auto_takes_fast`
+    picks, torch for the others) | "cpu" | "torch" | "triton".
     guard: an object with `after_prefill(session, rows)` and `after_decode(session, rows)` hooks
     (see `mlaquant.guard.Guard`), or None. device / dtype (`mlaquant.device`: "auto", "cpu", "cuda[:N]";
     "auto", "float32", "bfloat16", "float16"): when given, the model is moved / cast first, in place
@@ -81,7 +81,7 @@ class DecodeSession:
         model = place(model, device, dtype)
         self.plan = resolve_plan(plan, model)
         # the projections take the resolved backend once; every attention call asks for `backend` itself, so
-        # "auto" can pick per call (on CPU the fast path only from ops.CPU_FAST_MIN_TOKENS cached tokens)
+        # "auto" can pick per call (on CPU the fast path where ops.auto_takes_fast says it is faster)
         self.backend = ops.resolve_backend(backend, model.device)  # an explicit backend that cannot run raises
         self.attention_backend = backend
         self.model = self.plan.apply(model, self.backend)

@@ -43,3 +43,14 @@ def test_attention_bench_batch_axis_rows_per_codec_and_path(capsys):
     assert rows[0]["vs_reference"] == 1.0 and rows[1]["vs_base_fast"] == 1.0
     header = bench_attention.format_header().splitlines()[0]
     assert header.count("|") == bench_attention.format_row(rows[0]).count("|")
+
+
+def test_attention_bench_fast_block_rows_and_bad_option_exits_nonzero(capsys):
+    from mlaquant import bench_attention
+    from mlaquant.cli import main
+
+    rows = bench_attention.bench_attention([2], [128], ["int8-row"], steps=1, fast_blocks=[(64, 1), (128, 2)])
+    assert [r["path"] for r in rows] == ["reference", "fast", "fast 64x1", "fast 128x2"]
+    assert all(r["s"] > 0 for r in rows)
+    assert main(["bench", "decode", "--batch", "1", "--contexts", "64", "--fast-blocks", "1024"]) != 0
+    assert "--fast-blocks: '1024' is not BLOCKxGROUP" in capsys.readouterr().err

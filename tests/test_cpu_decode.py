@@ -109,9 +109,26 @@ def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_referen
     for backend, want in (("cpu", fast), ("torch", ref), ("auto", ref)):  # 53 tokens < CPU_FAST_MIN_TOKENS
         for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend=backend), want):
             assert torch.equal(a, b), backend
-    monkeypatch.setattr(ops, "CPU_FAST_MIN_TOKENS", 53)  # the call reads that many: auto goes fast
+    monkeypatch.setattr(ops, "CPU_FAST_MIN_TOKENS", 53)  # the call reads that many tokens
+    monkeypatch.setattr(ops, "CPU_FAST_MIN_MEAN", 26)  # and 26.5 per sequence: auto goes fast
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("names, lens, fast", [
+    (("fp16", "fp16"), [512] * 16, True),  # a float c_kv: 8192 tokens in all
+    (("fp16", "fp16"), [1024] * 4, False),
+    (("int8-row", "int8-row"), [512] * 16, False),  # an integer c_kv: also 1024 per sequence
+    (("int8-row", "int8-row"), [1024] * 16, True),
+    (("int8-row", "int8-row"), [2048, 0], True),  # row-wise: 2048 per live sequence at any total
+    (("int4-row", "int4-row"), [1024, 1024], False),
+    (("int8-g64", "fp16"), [4096], False),  # grouped: the total rule only
+    (("int8-g64", "fp16"), [8192], True),
+    (("int4-g32", "int4-row"), [8192] * 4, False),  # 16 groups: never (`cpu_decode.prefers`)
+])
+def test_auto_takes_fast_where_the_crossover_bench_measured_it_faster(names, lens, fast):
+    codec = LayerCodec.from_names(*names, 512, 64)
+    assert ops.auto_takes_fast(codec, torch.tensor(lens, dtype=torch.int32)) is fast
 
 
 @pytest.mark.parametrize("shape", [(1, 16, 128, 512), (5, 1, 2048, 64), (3, 4, 7, 3)])
@@ -149,7 +166,30 @@ def test_auto_keeps_many_group_codecs_on_the_reference(monkeypatch):
     codec = LayerCodec.from_names("int4-g16", "fp16", D_C, D_R)  # 4 groups at this width
     monkeypatch.setattr("mlaquant.cpu_decode.FAST_MAX_GROUPS", 2)
     monkeypatch.setattr(ops, "CPU_FAST_MIN_TOKENS", 1)
+    monkeypatch.setattr(ops, "CPU_FAST_MIN_MEAN", 1)
     q, pool, table, lens, _, _ = _cache(codec, [20, 33])
     ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), ref):
         assert torch.equal(a, b)
+
+
+def test_reused_buffers_give_the_same_result_across_shapes_and_threads():
+    """The per-thread Workspace: a call after calls of other shapes, and two threads at once, return
+    exactly what a first call does."""
+    import threading
+
+    codec = LayerCodec.from_names("int4-row", "int4-row", D_C, D_R)
+    big, small = _cache(codec, LENS, seed=1), _cache(codec, [5, 90], seed=2)
+    run = lambda c: mla_decode_cpu(*c[:4], codec, D_C, SCALE, block_tokens=32)  # noqa: E731
+    first = run(big)
+    run(small)
+    assert all(torch.equal(a, b) for a, b in zip(run(big), first))
+    got = {}
+    cases = (("b", big), ("s", small))
+    threads = [threading.Thread(target=lambda k=k, c=c: got.__setitem__(k, run(c))) for k, c in cases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(a, b) for a, b in zip(got["b"], first))
+    assert all(torch.equal(a, b) for a, b in zip(got["s"], run(small)))
