@@ -48,7 +48,8 @@ Error against the FP32 reference (`mla_decode_reference`, the same quantized cac
            the INT32 dots are exact and the FP32 epilogue adds a few ulps. Float parts: FP32 rounding only.
   P·V      a score error Δs moves each probability by a factor within e^(±2Δs), so |Δout[h, c]| ≤
            (e^(2 Δs) − 1) · max_t |v[t, c]|; FP32 P·V and the online rescaling add ≤ 2^-12 · max_t |v[t, c]|
-           (≤ BLOCK_TOKENS · 2^-24 = 2^-13 within a block's FP32 GEMM, a few 2^-24 per block merge, for T < 2^20);
+           (≤ 2048 · 2^-24 = 2^-13 within a block's FP32 GEMM, blocks of at most 2048 FP32 values, a few
+           2^-24 per block merge, for T < 2^20);
            the two int8 digits of p·s (row-wise integer c_kv) add ≤ e^(4Δs) · max_t s_t · Σ_t |q_t,c| /
            (127 · 256 · Σ_t p_t), p_t = e^(score_t − max score), q the codes (`error_bound` computes it).
   lse      |Δlse| ≤ Δs = max_t |Δscore[t]| (+ FP32 rounding).
@@ -68,7 +69,8 @@ from torch import Tensor
 from mlaquant.codecs import CodecSpec, LayerCodec, RowCodec
 from mlaquant.decode_inputs import DecodeInputs, gather_pages
 
-BLOCK_TOKENS = 1024  # tokens per sequence and block when the values are decoded to FP32
+BLOCK_TOKENS = 1024  # tokens per sequence and block of a float c_kv (an FP32 block: 2.25 MiB at d 576)
+GROUPED_BLOCK_TOKENS = 2048  # a grouped integer c_kv: int8 codes in, FP32 values only for P·V
 INT_BLOCK_TOKENS = 4096  # row-wise integer c_kv: P·V on the codes, no FP32 values, so fewer and larger blocks
 GROUP_SEQUENCES = 2  # sequences whose blocks run as one batch of ops (module docstring, "Threads")
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453  # scores run in base 2 (`_Group`)
@@ -77,7 +79,9 @@ LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453  # scores run in base 2 (`_G
 def block_tokens_for(codec: LayerCodec) -> int:
     """Tokens per sequence and block for `codec` (`mlaquant bench decode --batch 16 --fast-blocks`)."""
     ckv = codec.ckv
-    return INT_BLOCK_TOKENS if ckv.spec.kind in _INT_KINDS and ckv.layout.n_groups == 1 else BLOCK_TOKENS
+    if ckv.spec.kind not in _INT_KINDS:
+        return BLOCK_TOKENS
+    return INT_BLOCK_TOKENS if ckv.layout.n_groups == 1 else GROUPED_BLOCK_TOKENS
 _INT_KINDS = ("int8", "int4")
 
 
