@@ -19,7 +19,8 @@ P·V, its error bound in its docstring); "auto" picks triton for CUDA tensors wh
 reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors where the
 fast path measured faster (`auto_takes_fast`: a codec it is faster on, `cpu_decode.prefers`, and a call
 reading enough tokens), else torch: below that the fast path's per-sequence GEMMs and blocks cost more than
-the reference's one batched pass (`mlaquant bench decode --batch 1,4,16 --contexts 512,1024,2048,4096,8192`).
+the reference's one batched pass (`mlaquant bench decode --batch 1,4,16 --contexts 512,1024,2048,4096,8192
+--codecs fp16,int8-row,int4-row,int8`).
 Every backend checks its arguments against the one input contract, `mlaquant.decode_inputs.DecodeInputs`.
 """
 
@@ -39,9 +40,10 @@ from mlaquant.decode_inputs import DecodeInputs, gather_pages
 from mlaquant.errors import BackendError
 
 # where "auto" on CPU takes the fast path (`auto_takes_fast`, measured by the bench in the module docstring)
-CPU_FAST_MIN_TOKENS = 8192  # cached tokens per call (all sequences together)
-CPU_FAST_MIN_MEAN = 1024  # ... and, for an integer c_kv, tokens per sequence on average
-CPU_FAST_ROW_MEAN = 2048  # a row-wise integer c_kv: from this many tokens per sequence on average, at any total
+CPU_FAST_MIN_TOKENS = 8192  # cached tokens per call (all sequences together): a float or row-wise integer c_kv
+CPU_FAST_ROW_MEAN = 2048  # a row-wise integer c_kv: or this many tokens per sequence on average
+CPU_FAST_GROUPED_TOKENS = 16384  # a grouped integer c_kv: this many in all ...
+CPU_FAST_MIN_MEAN = 1024  # ... and this many per sequence on average
 
 # op -> (module, function) of its Triton implementation
 KERNELS = {
@@ -156,11 +158,12 @@ def describe_backend(backend: str | Backend, device: torch.device | str) -> str:
 
 def auto_takes_fast(codec: LayerCodec, seq_lens: Tensor) -> bool:
     """Whether "auto" on CPU takes the fast path for a call over seq_lens int [B]: a codec it is faster on
-    (`cpu_decode.prefers`), and at least `CPU_FAST_MIN_TOKENS` cached tokens in all (a float c_kv), also
-    `CPU_FAST_MIN_MEAN` per non-empty sequence on average (an integer c_kv), or `CPU_FAST_ROW_MEAN` per
-    sequence on average at any total (a row-wise integer c_kv). Measured on 2 cores, fast / reference:
-    fp16 0.67 at 16 x 512 tokens, 1.05 at 4 x 1024; int8-row 0.76 at 1 x 2048, 0.97 at 16 x 512, 1.52 at
-    4 x 1024; int8-g64 1.40 at 16 x 512, 0.61 at 16 x 1024, 1.48 at 1 x 4096."""
+    (`cpu_decode.prefers`), and enough tokens for its c_kv kind: a float c_kv `CPU_FAST_MIN_TOKENS` in all;
+    a row-wise integer one as many, or `CPU_FAST_ROW_MEAN` per non-empty sequence on average; a grouped
+    integer one `CPU_FAST_GROUPED_TOKENS` in all and `CPU_FAST_MIN_MEAN` per sequence. Measured on 2 cores
+    (fast / reference, two runs of the module docstring's bench): fp16 0.67-0.72 at 16 x 512 and 4 x 2048,
+    1.02-1.10 below 8192 tokens; int8-row 0.73 at 1 x 2048, 0.74-0.97 at 16 x 512, 1.52 at 4 x 1024;
+    int8-g64 1.03-1.20 at 1 x 8192, 1.48 at 4 x 2048, 0.56-0.61 at 16 x 1024."""
     if not cpu_decode.prefers(codec):
         return False
     live = seq_lens[seq_lens > 0]
@@ -169,9 +172,9 @@ def auto_takes_fast(codec: LayerCodec, seq_lens: Tensor) -> bool:
     ckv = codec.ckv
     if ckv.spec.kind not in ("int8", "int4"):
         return total >= CPU_FAST_MIN_TOKENS
-    if ckv.layout.n_groups == 1 and mean >= CPU_FAST_ROW_MEAN:
-        return True
-    return total >= CPU_FAST_MIN_TOKENS and mean >= CPU_FAST_MIN_MEAN
+    if ckv.layout.n_groups == 1:
+        return total >= CPU_FAST_MIN_TOKENS or mean >= CPU_FAST_ROW_MEAN
+    return total >= CPU_FAST_GROUPED_TOKENS and mean >= CPU_FAST_MIN_MEAN
 
 
 def mla_decode_reference(

@@ -109,21 +109,21 @@ def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_referen
     for backend, want in (("cpu", fast), ("torch", ref), ("auto", ref)):  # 53 tokens < CPU_FAST_MIN_TOKENS
         for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend=backend), want):
             assert torch.equal(a, b), backend
-    monkeypatch.setattr(ops, "CPU_FAST_MIN_TOKENS", 53)  # the call reads that many tokens
-    monkeypatch.setattr(ops, "CPU_FAST_MIN_MEAN", 26)  # and 26.5 per sequence: auto goes fast
+    monkeypatch.setattr(ops, "CPU_FAST_MIN_TOKENS", 53)  # row-wise int8 at this width: 53 tokens, auto goes fast
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
         assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("names, lens, fast", [
     (("fp16", "fp16"), [512] * 16, True),  # a float c_kv: 8192 tokens in all
-    (("fp16", "fp16"), [1024] * 4, False),
-    (("int8-row", "int8-row"), [512] * 16, False),  # an integer c_kv: also 1024 per sequence
-    (("int8-row", "int8-row"), [1024] * 16, True),
-    (("int8-row", "int8-row"), [2048, 0], True),  # row-wise: 2048 per live sequence at any total
+    (("fp16", "fp16"), [4096], False),
+    (("int8-row", "int8-row"), [512] * 16, True),  # row-wise integer: 8192 in all ...
+    (("int8-row", "int8-row"), [1024] * 4, False),
+    (("int8-row", "int8-row"), [2048, 0], True),  # ... or 2048 per live sequence
     (("int4-row", "int4-row"), [1024, 1024], False),
-    (("int8-g64", "fp16"), [4096], False),  # grouped: the total rule only
-    (("int8-g64", "fp16"), [8192], True),
+    (("int8-g64", "fp16"), [8192], False),  # grouped: 16384 in all and 1024 per sequence
+    (("int8-g64", "fp16"), [1024] * 16, True),
+    (("int8-g64", "fp16"), [512] * 32, False),
     (("int4-g32", "int4-row"), [8192] * 4, False),  # 16 groups: never (`cpu_decode.prefers`)
 ])
 def test_auto_takes_fast_where_the_crossover_bench_measured_it_faster(names, lens, fast):
@@ -165,7 +165,7 @@ def test_auto_keeps_many_group_codecs_on_the_reference(monkeypatch):
     assert not prefers(LayerCodec.from_names("int4-g32", "int4-row", 512, 64))  # 16 groups: one GEMM each
     codec = LayerCodec.from_names("int4-g16", "fp16", D_C, D_R)  # 4 groups at this width
     monkeypatch.setattr("mlaquant.cpu_decode.FAST_MAX_GROUPS", 2)
-    monkeypatch.setattr(ops, "CPU_FAST_MIN_TOKENS", 1)
+    monkeypatch.setattr(ops, "CPU_FAST_GROUPED_TOKENS", 1)
     monkeypatch.setattr(ops, "CPU_FAST_MIN_MEAN", 1)
     q, pool, table, lens, _, _ = _cache(codec, [20, 33])
     ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
