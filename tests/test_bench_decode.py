@@ -40,6 +40,7 @@ def test_attention_bench_batch_axis_rows_per_codec_and_path(capsys):
     ]
     for r in rows:
         assert r["s"] > 0 and r["bound_s"] > 0 and r["vs_bound"] == pytest.approx(r["s"] / r["bound_s"])
+        assert 0 < r["min_s"] <= r["s"]
     assert rows[0]["vs_reference"] == 1.0 and rows[1]["vs_base_fast"] == 1.0
     header = bench_attention.format_header().splitlines()[0]
     assert header.count("|") == bench_attention.format_row(rows[0]).count("|")
