@@ -240,7 +240,7 @@ class _Part:
         q8, qs = self.quantized_query(x)  # [B, H, W], [B, H, n_g]
         qs = qs * factor
         groups = q8.view(batch, heads, self.n_g, self.g)
-        sums = groups.sum(-1, dtype=torch.int32)  # [B, H, n_g]
+        sums = groups.sum(-1, dtype=torch.int32) if self.asym or self.bias else None  # [B, H, n_g]
         qlo = (sums.float() * qs).contiguous() if self.asym else None
         shift = (sums * self.bias).transpose(1, 2).unsqueeze(-1).contiguous() if self.bias else None
         return groups.transpose(1, 2).contiguous(), qs.transpose(1, 2).unsqueeze(-1).contiguous(), qlo, shift
@@ -291,9 +291,6 @@ def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, query:
     heads = q8.shape[2]
     dots = ws.get(part.name + ".dots", (a, part.n_g, heads, t), torch.int32)
     for i in range(a):
-        if part.n_g == 1:
-            torch._int_mm(q8[i, 0], codes[i].t(), out=dots[i, 0])
-            continue
         for g in range(part.n_g):
             torch._int_mm(q8[i, g], codes[i, :, g * part.g : (g + 1) * part.g].t(), out=dots[i, g])
     if shift is not None:
