@@ -299,9 +299,12 @@ def _run_attention(args: argparse.Namespace, contexts: list[int], codecs: list[s
     except ValueError as e:
         raise MLAQuantError(f"--batch must be comma-separated integers, got {args.batch!r}") from e
     fast_blocks = _fast_blocks(args.fast_blocks)
+    from mlaquant import native
+
+    unpack = "C helper (mlaquant.native)" if native.unpack_int4() else "torch ops (MLAQUANT_NATIVE=0 or no cc)"
     print(
         f"decode attention call, DeepSeek-V2-Lite shapes (H 16, d_c 512, d_r 64), {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}"
+        f"torch {torch.__version__}, int4 unpack: {unpack}"
     )
     print(bench_attention.format_header())
     results = bench_attention.bench_attention(batches, contexts, codecs, args.steps, fast_blocks)

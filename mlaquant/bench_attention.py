@@ -1,7 +1,9 @@
 """`mlaquant bench decode --batch 1,16`: one decode-attention call (`ops.mla_decode`, DeepSeek-V2-Lite
 attention shapes H 16, d_c 512, d_r 64) per batch × context × codec × path ("reference" = backend torch,
 "fast" = backend cpu; "fast BxG" = the fast path with B tokens per sequence and block, G sequences per
-group, for tuning `cpu_decode`'s defaults), against the machine's bound measured in the same run.
+group, for tuning `cpu_decode`'s defaults; "fast torch-unpack" = the fast path with int4 codes unpacked by
+torch ops instead of the C helper, `mlaquant.native`, for codecs with an int4 part where the helper
+builds), against the machine's bound measured in the same run.
 
 Every sequence of a batch holds `context` random latent rows on shuffled 64-token pages. Rows: median
 ms per call over `steps` rounds, each round calling every codec and path of the batch and context in turn
@@ -19,6 +21,7 @@ import time
 
 import torch
 
+from mlaquant import native
 from mlaquant.codecs import LayerCodec
 from mlaquant.cpu_decode import mla_decode_cpu
 from mlaquant.ops import mla_decode
@@ -98,6 +101,11 @@ def _fast_variant(block_tokens: int, group: int):
     return call
 
 
+def _torch_unpack(q, pool, table, lens, codec, d_c, scale, _backend):
+    """mla_decode_cpu with its int4 codes unpacked by torch ops: the rows `fast torch-unpack`."""
+    return mla_decode_cpu(q, pool, table, lens, codec, d_c, scale, c_unpack=False)
+
+
 def bench_attention(
     batches: list[int], contexts: list[int], codecs: list[str], steps: int,
     fast_blocks: list[tuple[int, int]] = (),
@@ -120,7 +128,10 @@ def bench_attention(
                 codec = LayerCodec.from_names(*(name.split("/") if "/" in name else (name, name)), D_C, D_R)
                 q, pool, table, lens = _problem(codec, batch, context, seed=context)
                 bounds[name] = step_bound(codec, batch, context, probes)
-                for path, (fn, backend) in paths.items():
+                mine = dict(paths)
+                if "int4" in (codec.ckv.spec.kind, codec.kpe.spec.kind) and native.unpack_int4():
+                    mine["fast torch-unpack"] = (_torch_unpack, "cpu")
+                for path, (fn, backend) in mine.items():
                     args = (q, pool, table, lens, codec, D_C, D_C**-0.5, backend)
                     calls[(name, path)] = lambda fn=fn, args=args: fn(*args)
             rows = [{"batch": batch, "context": context, "codec": name, "path": path, "s": sec,

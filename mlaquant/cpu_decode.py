@@ -24,11 +24,12 @@ group) exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q
 qs)); per group one int8 x int8 -> int32 `torch._int_mm` (oneDNN, VNNI where the CPU has it) of the
 block's codes with q8, exact; then in FP32 `qs * s * dot` (+ `qs * lo' * Σq8` for asymmetric groups).
 Codes enter the GEMM as int8: sym int8 as stored (a view, no copy), asym int8 as q − 128 (one XOR of the
-byte with 0x80) with lo' = lo + 128 s; int4 nibbles unsigned (0..15, one AND, one shift, one AND per 16-
-to 64-bit word) with lo' = lo (asymmetric); symmetric int4 nibbles are q + 8, and the 8 · Σq8 comes off
-the INT32 dots before the epilogue (exact). A float part (fp16, bf16, fp32, fp8) is decoded by its codec
-into an FP32 block and multiplied in FP32; two float parts of one kind (fp16/fp16) are one [t, d_c + d_r]
-block and one GEMM.
+byte with 0x80) with lo' = lo + 128 s; int4 codes by the C unpack (`mlaquant.native`: one pass, symmetric
+codes signed q, asymmetric ones unsigned 0..15 with lo' = lo) or, where it cannot be built, by torch ops
+(`unpack_nibbles`: unsigned nibbles, one AND, one shift, one AND per 16- to 64-bit word; symmetric codes
+are then q + 8 and the 8 · Σq8 comes off the INT32 dots before the epilogue, exact). A float part (fp16,
+bf16, fp32, fp8) is decoded by its codec into an FP32 block and multiplied in FP32; two float parts of one
+kind (fp16/fp16) are one [t, d_c + d_r] block and one GEMM.
 
 P·V. A row-wise integer c_kv part (one scale s_t per row) is never dequantized: the scaled probabilities
 p_t·s_t of a block are written as two int8 digits per head (`split_probs`: m · (hi + lo/128), m = max_t
@@ -66,6 +67,7 @@ import threading
 import torch
 from torch import Tensor
 
+from mlaquant import native
 from mlaquant.codecs import CodecSpec, LayerCodec, RowCodec
 from mlaquant.decode_inputs import DecodeInputs, gather_pages
 
@@ -166,12 +168,14 @@ class _Part:
     """How one row part (c_kv, k_pe, or a whole float row) is read: its byte range in the row, its codes,
     scales and zero points, and the query's form for it."""
 
-    def __init__(self, rc: RowCodec, offset: int, device: torch.device, name: str) -> None:
+    def __init__(self, rc: RowCodec, offset: int, device: torch.device, name: str, c_unpack: bool = True) -> None:
         self.rc, self.offset, self.name = rc, offset, name
         self.is_int = rc.spec.kind in _INT_KINDS
         self.asym = self.is_int and not rc.spec.symmetric  # values codes · s + lo', lo' per row and group
-        # symmetric int4 codes are read unsigned, q + 8: the GEMMs' INT32 sums take − 8 · Σ (exact)
-        self.bias = 8 if self.is_int and rc.spec.kind == "int4" and not self.asym else 0
+        # int4 codes from the C unpack (None: not asked for or not built, torch ops); symmetric ones read
+        # unsigned by torch ops are q + 8, and the GEMMs' INT32 sums take − 8 · Σ (exact)
+        self.native = native.unpack_int4() if c_unpack and rc.spec.kind == "int4" else None
+        self.bias = 8 if self.is_int and rc.spec.kind == "int4" and not self.asym and self.native is None else 0
         lay = rc.layout
         self.n_g, self.g = (lay.n_groups, lay.group_size) if self.is_int else (1, rc.width)
         # int4 codes are unpacked as [low nibbles | high nibbles]: channel order `perm` (even channels, then
@@ -210,12 +214,15 @@ class _Part:
 
     def codes(self, part: Tensor, ws: Workspace) -> Tensor:
         """int8 codes [n, W] of an integer part (sym int8: a strided view of the block; asym int8: q − 128;
-        int4: the unsigned nibbles in the channel order `perm`, [low nibbles | high nibbles]). A dense copy of
-        the sym int8 codes made the GEMMs faster but the call slower (batch 16 x 4k, wall clock)."""
+        int4: the nibbles in the channel order `perm`, [low nibbles | high nibbles], signed q for symmetric
+        codes from the C unpack, else unsigned). A dense copy of the sym int8 codes made the GEMMs faster but
+        the call slower (batch 16 x 4k, wall clock)."""
         rc, raw = self.rc, part[:, : self.rc.layout.code_bytes]
         if rc.spec.symmetric and rc.spec.kind == "int8":
             return raw.view(torch.int8)
         dense = ws.get(self.name + ".codes", (raw.shape[0], rc.width), torch.uint8)
+        if self.native is not None:
+            return self.native(raw, dense, not self.asym)
         if rc.spec.kind == "int4":
             return unpack_nibbles(raw, dense)
         return torch.bitwise_xor(raw, 0x80, out=dense).view(torch.int8)
@@ -411,15 +418,17 @@ def _finish(ckv: _Part, m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tensor, 
     return acc.div_(total.unsqueeze(-1)), m.add_(torch.log2(total)).mul_(LN2)
 
 
-def row_parts(codec: LayerCodec, device: torch.device) -> tuple[_Part, ...]:
+def row_parts(codec: LayerCodec, device: torch.device, c_unpack: bool = True) -> tuple[_Part, ...]:
     """How the blocks read a row: (c_kv part, k_pe part), or one part for the whole row where both parts
     are the same float kind (fp16/fp16: one FP32 conversion and one score GEMM [H, d_c + d_r] x [d_c + d_r,
-    t] per block instead of two of each; the values are the first d_c columns of that block)."""
+    t] per block instead of two of each; the values are the first d_c columns of that block). c_unpack:
+    int4 codes by the C helper where it builds (`mlaquant.native`), else by torch ops."""
     ckv, kpe = codec.ckv.spec, codec.kpe.spec
     if ckv.is_float and ckv == kpe:
         row = RowCodec.build(CodecSpec(ckv.kind), codec.ckv.width + codec.kpe.width)
         return (_Part(row, 0, device, "row"),)
-    return _Part(codec.ckv, 0, device, "ckv"), _Part(codec.kpe, codec.layout.kpe_offset, device, "kpe")
+    return (_Part(codec.ckv, 0, device, "ckv", c_unpack),
+            _Part(codec.kpe, codec.layout.kpe_offset, device, "kpe", c_unpack))
 
 
 def _group_blocks(pool: Tensor, pages: list[list[int]], lens: list[int], block_tokens: int, ws: Workspace):
@@ -459,15 +468,17 @@ def mla_decode_cpu(
     scale: float,
     block_tokens: int | None = None,
     group: int = GROUP_SEQUENCES,
+    c_unpack: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Fast CPU `mla_decode` (module docstring): q [B, H, d_c + d_r] float, pool uint8 [num_blocks,
     block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B] → out [B, H, d_c] fp32,
     lse [B, H] fp32 (seq_lens 0: out 0, lse −inf). block_tokens: tokens per sequence and block, rounded to
     whole pages (default `block_tokens_for(codec)`); group: sequences whose blocks run as one batch of ops,
-    longest first."""
+    longest first; c_unpack: int4 codes by the C helper where it builds (`mlaquant.native`), else by torch
+    ops (the same outputs bit for bit: the same INT32 sums)."""
     pages, lens = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c).host_pages()
     block_tokens = block_tokens or block_tokens_for(codec)
-    parts = row_parts(codec, q.device)
+    parts = row_parts(codec, q.device, c_unpack)
     batch, heads, _ = q.shape
     out = torch.zeros(batch, heads, d_c, device=q.device)
     lse = torch.full((batch, heads), float("-inf"), device=q.device)

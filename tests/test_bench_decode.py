@@ -55,3 +55,29 @@ def test_attention_bench_fast_block_rows_and_bad_option_exits_nonzero(capsys):
     assert all(r["s"] > 0 for r in rows)
     assert main(["bench", "decode", "--batch", "1", "--contexts", "64", "--fast-blocks", "1024"]) != 0
     assert "--fast-blocks: '1024' is not BLOCKxGROUP" in capsys.readouterr().err
+
+
+def test_attention_bench_times_int4_codecs_with_and_without_the_c_unpack():
+    from mlaquant import bench_attention, native
+
+    rows = bench_attention.bench_attention([1], [64], ["fp16", "int4-row"], steps=1)
+    paths = [(r["codec"], r["path"]) for r in rows]
+    torch_rows = [("int4-row", "fast torch-unpack")] if native.unpack_int4() else []
+    assert paths == [("fp16", "reference"), ("fp16", "fast"), ("int4-row", "reference"), ("int4-row", "fast"),
+                     *torch_rows]
+
+
+def test_attention_bench_header_names_the_int4_unpack(capsys, monkeypatch):
+    """The header says which int4 unpack the fast rows ran with: the C helper, or torch ops when it is off."""
+    from mlaquant import native
+    from mlaquant.cli import main
+
+    monkeypatch.setenv("MLAQUANT_NATIVE", "0")
+    native._library.cache_clear()
+    try:
+        args = ["bench", "decode", "--batch", "1", "--contexts", "64", "--codecs", "int4-row", "--steps", "1"]
+        assert main(args) == 0
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()
+    assert "int4 unpack: torch ops (MLAQUANT_NATIVE=0 or no cc)" in capsys.readouterr().out.splitlines()[0]
