@@ -5,7 +5,8 @@ Why C: torch has no int4 dtype, so `mlaquant.cpu_decode` unpacks int4 codes with
 a shift, an AND), each a pass over the block, and pays per row where rows are short (the 32 bytes of an
 int4 k_pe row). The C loop makes one pass, 8 bytes per step, and can take the symmetric codes' bias off
 on the way (codes q instead of q + 8, so no bias term in the GEMMs' sums): `mlaquant bench decode --batch
-1,16` times the fast path with it (README, "The decode-attention call"); MLAQUANT_NATIVE=0 times it without.
+1,16` times the fast path with it and, in its "fast torch-unpack" rows of the same rounds, without it
+(README, "The decode-attention call").
 
 Build: `$CC` (default `cc`) -O3 -fopenmp -shared into a temporary directory, loaded, the file removed (about
 0.2 s, once per process; no cache to go stale). OpenMP: where torch links libgomp (its Linux wheels do) the
