@@ -92,18 +92,14 @@ def _problem(codec: LayerCodec, batch: int, context: int, seed: int):
     return q, pool, table, torch.full((batch,), context, dtype=torch.int32)
 
 
-def _fast_variant(block_tokens: int, group: int):
-    """mla_decode_cpu with these block settings: the rows `fast <block_tokens>x<group>`."""
+def _fast_variant(**options):
+    """mla_decode_cpu with these keyword options: the rows `fast <block_tokens>x<group>` (block_tokens,
+    group) and `fast torch-unpack` (c_unpack=False)."""
 
     def call(q, pool, table, lens, codec, d_c, scale, _backend):
-        return mla_decode_cpu(q, pool, table, lens, codec, d_c, scale, block_tokens=block_tokens, group=group)
+        return mla_decode_cpu(q, pool, table, lens, codec, d_c, scale, **options)
 
     return call
-
-
-def _torch_unpack(q, pool, table, lens, codec, d_c, scale, _backend):
-    """mla_decode_cpu with its int4 codes unpacked by torch ops: the rows `fast torch-unpack`."""
-    return mla_decode_cpu(q, pool, table, lens, codec, d_c, scale, c_unpack=False)
 
 
 def bench_attention(
@@ -113,7 +109,7 @@ def bench_attention(
     """One dict per (batch, context, codec, path): ms, ratios, bound (see the module docstring).
     fast_blocks: extra fast-path rows, one per (tokens per sequence and block, sequences per group)."""
     paths = {path: (mla_decode, backend) for path, backend in PATHS.items()}
-    paths.update({f"fast {bt}x{g}": (_fast_variant(bt, g), "cpu") for bt, g in fast_blocks})
+    paths.update({f"fast {bt}x{g}": (_fast_variant(block_tokens=bt, group=g), "cpu") for bt, g in fast_blocks})
     probes = machine_probes()
     print(
         f"-- probes: {probes['bandwidth_Bps'] / 1e9:.1f} GB/s copy, {probes['fp32_flops'] / 1e9:.0f} GFLOP/s FP32, "
@@ -130,7 +126,7 @@ def bench_attention(
                 bounds[name] = step_bound(codec, batch, context, probes)
                 mine = dict(paths)
                 if "int4" in (codec.ckv.spec.kind, codec.kpe.spec.kind) and native.unpack_int4():
-                    mine["fast torch-unpack"] = (_torch_unpack, "cpu")
+                    mine["fast torch-unpack"] = (_fast_variant(c_unpack=False), "cpu")
                 for path, (fn, backend) in mine.items():
                     args = (q, pool, table, lens, codec, D_C, D_C**-0.5, backend)
                     calls[(name, path)] = lambda fn=fn, args=args: fn(*args)

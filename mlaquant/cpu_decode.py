@@ -175,7 +175,7 @@ class _Part:
         # int4 codes from the C unpack (None: not asked for or not built, torch ops); symmetric ones read
         # unsigned by torch ops are q + 8, and the GEMMs' INT32 sums take − 8 · Σ (exact)
         self.native = native.unpack_int4() if c_unpack and rc.spec.kind == "int4" else None
-        self.bias = 8 if self.is_int and rc.spec.kind == "int4" and not self.asym and self.native is None else 0
+        self.bias = 8 if rc.spec.kind == "int4" and not self.asym and self.native is None else 0
         lay = rc.layout
         self.n_g, self.g = (lay.n_groups, lay.group_size) if self.is_int else (1, rc.width)
         # int4 codes are unpacked as [low nibbles | high nibbles]: channel order `perm` (even channels, then

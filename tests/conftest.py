@@ -106,3 +106,15 @@ def synthetic():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return lambda path, layers, **kw: module.write_checkpoint(path, **{**SYNTH_DIMS, "layers": layers, **kw})
+
+
+@pytest.fixture
+def fresh_native_build(monkeypatch):
+    """`mlaquant.native` unbuilt (its build is cached per process) under this test's monkeypatches (the
+    fixture's value: set MLAQUANT_NATIVE / CC with it), rebuilt as it was afterwards."""
+    from mlaquant import native
+
+    native._library.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    native._library.cache_clear()

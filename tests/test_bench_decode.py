@@ -67,17 +67,11 @@ def test_attention_bench_times_int4_codecs_with_and_without_the_c_unpack():
                      *torch_rows]
 
 
-def test_attention_bench_header_names_the_int4_unpack(capsys, monkeypatch):
+def test_attention_bench_header_names_the_int4_unpack(capsys, fresh_native_build):
     """The header says which int4 unpack the fast rows ran with: the C helper, or torch ops when it is off."""
-    from mlaquant import native
     from mlaquant.cli import main
 
-    monkeypatch.setenv("MLAQUANT_NATIVE", "0")
-    native._library.cache_clear()
-    try:
-        args = ["bench", "decode", "--batch", "1", "--contexts", "64", "--codecs", "int4-row", "--steps", "1"]
-        assert main(args) == 0
-    finally:
-        monkeypatch.undo()
-        native._library.cache_clear()
+    fresh_native_build.setenv("MLAQUANT_NATIVE", "0")
+    args = ["bench", "decode", "--batch", "1", "--contexts", "64", "--codecs", "int4-row", "--steps", "1"]
+    assert main(args) == 0
     assert "int4 unpack: torch ops (MLAQUANT_NATIVE=0 or no cc)" in capsys.readouterr().out.splitlines()[0]

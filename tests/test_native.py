@@ -16,15 +16,6 @@ from tests.test_cpu_decode import D_C, D_R, LENS, SCALE, _cache
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch ops run instead")
 
 
-@pytest.fixture
-def fresh_build(monkeypatch):
-    """An unbuilt helper (the build is cached per process), cached again as it was afterwards."""
-    native._library.cache_clear()
-    yield monkeypatch
-    monkeypatch.undo()
-    native._library.cache_clear()
-
-
 @needs_compiler
 @pytest.mark.parametrize("width", [1, 3, 8, 13, 32, 256])
 @pytest.mark.parametrize("rows", [1, 7])
@@ -71,20 +62,20 @@ def test_fast_path_bit_identical_with_and_without_native_unpack(names, monkeypat
     assert torch.equal(unbuilt_out, ref_out) and torch.equal(unbuilt_lse, ref_lse)
 
 
-def test_native_off_by_environment_without_warning(fresh_build, recwarn):
-    fresh_build.setenv("MLAQUANT_NATIVE", "0")
+def test_native_off_by_environment_without_warning(fresh_native_build, recwarn):
+    fresh_native_build.setenv("MLAQUANT_NATIVE", "0")
     assert native.unpack_int4() is None
     assert not recwarn.list
 
 
-def test_native_missing_compiler_warns_and_falls_back(fresh_build):
-    fresh_build.setenv("CC", "/nonexistent/cc")
+def test_native_missing_compiler_warns_and_falls_back(fresh_native_build):
+    fresh_native_build.setenv("CC", "/nonexistent/cc")
     with pytest.warns(UserWarning, match=r"no C compiler \('/nonexistent/cc' not found\)"):
         assert native.unpack_int4() is None
 
 
 @pytest.mark.skipif(shutil.which("false") is None, reason="no `false` to stand in for a failing compiler")
-def test_native_failed_build_warns_and_falls_back(fresh_build):
-    fresh_build.setenv("CC", "false")
+def test_native_failed_build_warns_and_falls_back(fresh_native_build):
+    fresh_native_build.setenv("CC", "false")
     with pytest.warns(UserWarning, match=r"building unpack_int4.c failed \(exit status 1\)"):
         assert native.unpack_int4() is None
