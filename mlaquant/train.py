@@ -175,6 +175,9 @@ def hf_config(m: ModelConfig, vocab_size: int, eos_id: int):
         num_experts_per_tok=m.num_experts_per_tok,
         first_k_dense_replace=m.first_k_dense_replace,
         norm_topk_prob=True,
+        # V3 routing, spelled out: transformers assumes it, vLLM and llama.cpp read these keys (softmax without)
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
         max_position_embeddings=m.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
         rope_interleave=True,

@@ -151,3 +151,19 @@ def test_cli_error_is_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "model directory not found" in proc.stderr
+
+
+def test_bundled_config_spells_out_v3_routing_for_other_engines():
+    """vLLM and llama.cpp default to softmax routing without `scoring_func` / `topk_method` (llama.cpp read
+    +1.6 % ppl on the bundled model without them); the shipped config.json carries both, and they are what
+    mlaquant and transformers compute with."""
+    from transformers import AutoConfig
+
+    from mlaquant.loader import default_model_path
+
+    raw = json.loads((default_model_path() / "config.json").read_text())
+    assert raw["scoring_func"] == "sigmoid" and raw["topk_method"] == "noaux_tc"
+    cfg = load_model().cfg
+    assert (cfg.scoring_func, cfg.topk_method) == (raw["scoring_func"], raw["topk_method"])
+    hf = AutoConfig.from_pretrained(default_model_path())
+    assert (hf.scoring_func, hf.topk_method) == ("sigmoid", "noaux_tc")
