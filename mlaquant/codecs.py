@@ -32,22 +32,28 @@ In `PartLayout` fields: codes at byte 0 (`code_bytes` of them), scales at `scale
 lo at `zero_offset` = code_bytes + 2G, `n_groups` = G; float and static fp8 parts have n_groups = 0 and
 no scale or zero offsets (None).
 
-  symmetric:  x̂ = q * s,       q = clamp(round(x / s), -qmax, qmax), s ≥ absmax(group) / qmax
+  symmetric:  x̂ = q * s,       q = clamp(round(x / s), -(qmax+1), qmax), s signed: every level used, as in
+              llama.cpp's q4_0 — the group's value of largest magnitude e lands on code -(qmax+1) (s has the
+              opposite sign of e), |s| = |e|·f/(qmax+1) rounded up to FP16, f the shrink factor of SCALE_FACTORS
+              (int4: 1, 0.975, ..., 0.75; int8: 1) with the least squared error over the group (`symmetric_codes`)
   asymmetric: x̂ = q * s + lo,  q = clamp(round((x - lo) / s), 0, 2*qmax+1), lo ≤ min(group),
               s ≥ (max(group) - lo) / (2*qmax+1)                       (qmax = 127 int8, 7 int4)
   int4 packing: byte j holds channel 2j in its low nibble and channel 2j+1 in its high nibble;
-  symmetric codes are stored biased, as q + 8 (so 1..15; 0 is never written).
+  symmetric codes are stored biased, as q + 8 (0..15).
   fp8:        x̂ = e4m3(clamp(x / s, -448, 448)) * s   (e4m3fn, round to nearest even, saturating)
               dynamic: s ≥ absmax(group) / 448, an FP16 value rounded up like the integer scales;
               static:  s = absmax(calibrated bounds) / 448 in FP32, one scale for every static-fp8
               part of a layer (vLLM's per-layer `k_scale` covers the whole [c_kv | k_pe] row);
               without bounds s = 1.0, what engines use when a checkpoint carries no scales.
 
-Scales and zero points are computed in FP32, then rounded to FP16 — the scale *up* and `lo` *down*
-to the next FP16 value, so the group's whole range stays representable (this matters for tiny
-ranges where FP16 is subnormal) — and the codes are computed with the FP16 values, so decoding is
-exactly consistent with encoding: |x - x̂| ≤ s/2 for every unclipped value. An all-zero group gets
-s = 0 and decodes to exact zeros. Decoding computes `q * s (+ lo)` in FP32.
+Scales and zero points are computed in FP32, then rounded to FP16 — a scale's magnitude *up* and `lo`
+*down* to the next FP16 value, so the range stays representable (this matters for tiny ranges where FP16 is
+subnormal) — and the codes are computed with the FP16 values, so decoding is exactly consistent with
+encoding. Asymmetric codes: |x - x̂| ≤ s/2 for every unclipped value. Symmetric codes: |x - x̂| ≤ |s|/2 for
+values inside the code range [-(qmax+1.5)·|s|, (qmax+0.5)·|s|] (oriented by the sign of s), the rest
+saturate (for f = 1 only values on e's far side, by at most |s|); no group's squared error exceeds that of
+its f = 1 candidate. An all-zero group gets s = 0 and
+decodes to exact zeros. Decoding computes `q * s (+ lo)` in FP32.
 
 Worked examples, DeepSeek d_c = 512, d_r = 64 (one token, one layer):
 
@@ -80,6 +86,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from mlaquant import engine_codecs
 from mlaquant.errors import MLAQuantError
 
 FLOAT_KINDS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,6 +94,18 @@ INT_KINDS = {"int8": 8, "int4": 4}
 DEFAULT_GROUP = {"int8": 64, "int4": 32}
 FP8 = "fp8"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+# other engines' cache formats (`mlaquant.engine_codecs`): kind → (group size or None, code bits, scale bytes/group)
+ENGINE_KINDS = {
+    "e4m3": (None, 8, 0),
+    "fp8-ds": (128, 8, 4),
+    "nvfp4": (16, 4, 1),
+    "mxfp4": (16, 4, 1),
+    "q8_0": (32, 8, 2),
+    "q4_0": (32, 4, 2),
+}
+# symmetric integer scales: |s| = |extreme| · f / (qmax + 1) for f in these, the one of least squared error
+# (`symmetric_codes`; `python scripts/measure_levels.py` measured each against absmax / qmax)
+SCALE_FACTORS = {"int8": (1.0,), "int4": tuple(1.0 - k / 40 for k in range(11))}
 _NAME_RE = re.compile(r"^(int8|int4)(?:-(row|g(\d+)))?(?:-(sym|asym))?$")
 _FP8_RE = re.compile(r"^fp8(?:-g(\d+))?$")
 
@@ -106,8 +125,11 @@ class CodecSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in FLOAT_KINDS and self.kind not in INT_KINDS and self.kind != FP8:
-            known = ", ".join([*FLOAT_KINDS, *INT_KINDS, FP8])
-            raise CodecError(f"codec kind '{self.kind}' unknown (known: {known})")
+            if self.kind not in ENGINE_KINDS:
+                known = ", ".join([*FLOAT_KINDS, *INT_KINDS, FP8, *ENGINE_KINDS])
+                raise CodecError(f"codec kind '{self.kind}' unknown (known: {known})")
+            if self.group_size != ENGINE_KINDS[self.kind][0] or not self.symmetric:
+                raise CodecError(f"codec '{self.kind}' is an engine format: its grouping is fixed")
         if self.kind in FLOAT_KINDS and (self.group_size is not None or not self.symmetric):
             raise CodecError(f"codec '{self.kind}' takes no group size or asymmetry")
         if self.kind == FP8 and not self.symmetric:
@@ -122,14 +144,17 @@ class CodecSpec:
         text = name.strip().lower() if isinstance(name, str) else name
         if text in FLOAT_KINDS:
             return cls(text)
+        if text in ENGINE_KINDS:
+            return cls(text, ENGINE_KINDS[text][0])
         m8 = _FP8_RE.match(text) if isinstance(text, str) else None
         if m8 is not None:
             return cls(FP8, None if m8.group(1) is None else int(m8.group(1)))
         m = _NAME_RE.match(text) if isinstance(text, str) else None
         if m is None:
             raise CodecError(
-                f"codec name {name!r} not understood (expected fp32, bf16, fp16, fp8[-g<N>], or "
-                "int8|int4[-row|-g<N>][-asym], e.g. 'int4-g32', 'int8-row-asym')"
+                f"codec name {name!r} not understood (expected fp32, bf16, fp16, fp8[-g<N>], "
+                "int8|int4[-row|-g<N>][-asym], e.g. 'int4-g32', 'int8-row-asym', or an engine format: "
+                f"{', '.join(ENGINE_KINDS)})"
             )
         kind, group, group_n, sym = m.groups()
         if group is None:
@@ -143,7 +168,7 @@ class CodecSpec:
     @property
     def name(self) -> str:
         """Canonical name: `parse(spec.name) == spec`."""
-        if self.kind in FLOAT_KINDS:
+        if self.kind in FLOAT_KINDS or self.kind in ENGINE_KINDS:
             return self.kind
         if self.kind == FP8:
             return FP8 if self.group_size is None else f"{FP8}-g{self.group_size}"
@@ -157,6 +182,8 @@ class CodecSpec:
             return torch.finfo(FLOAT_KINDS[self.kind]).bits
         if self.kind == FP8:
             return 8
+        if self.kind in ENGINE_KINDS:
+            return ENGINE_KINDS[self.kind][1]
         return INT_KINDS[self.kind]
 
     @property
@@ -164,15 +191,21 @@ class CodecSpec:
         return self.kind in FLOAT_KINDS
 
     @property
+    def is_engine(self) -> bool:
+        """Another engine's cache format (`ENGINE_KINDS`, `mlaquant.engine_codecs`)."""
+        return self.kind in ENGINE_KINDS
+
+    @property
     def is_static_fp8(self) -> bool:
         """fp8 with one calibrated scale per layer (vLLM's `fp8` cache), as opposed to `fp8-g<N>`."""
         return self.kind == FP8 and self.group_size is None
 
     def wider(self) -> CodecSpec | None:
-        """Fallback order int4 → int8 (same grouping/symmetry) → fp16; fp8 → fp16; float kinds → None."""
+        """Fallback order int4 → int8 (same grouping/symmetry) → fp16; fp8 and engine formats → fp16; float
+        kinds → None."""
         if self.kind == "int4":
             return CodecSpec("int8", self.group_size, self.symmetric)
-        if self.kind in ("int8", FP8):
+        if self.kind in ("int8", FP8) or self.is_engine:
             return CodecSpec("fp16")
         return None
 
@@ -222,8 +255,13 @@ class PartLayout:
         g = spec.group_size or width
         if width % g:
             raise CodecError(f"codec {spec.name}: group size {g} does not divide width {width}")
-        if spec.kind == "int4" and width % 2:
-            raise CodecError(f"codec {spec.name}: int4 needs an even width, got {width}")
+        if spec.bits == 4 and width % 2:
+            raise CodecError(f"codec {spec.name}: 4-bit codes need an even width, got {width}")
+        if spec.is_engine:
+            scale_bytes = ENGINE_KINDS[spec.kind][2]
+            n_groups = width // g if scale_bytes else 0
+            offset = code_bytes if n_groups else None
+            return cls(spec, width, g, n_groups, code_bytes, offset, None, code_bytes + scale_bytes * n_groups)
         n_groups = 0 if spec.is_static_fp8 else width // g
         params = 1 if spec.symmetric else 2  # FP16 arrays per group: s, or s and lo
         zero_offset = None if spec.symmetric else code_bytes + 2 * n_groups
@@ -292,6 +330,8 @@ class RowCodec(_LaidOut, ABC):
         layout = PartLayout.of(spec, width)
         if spec.kind == FP8:
             return Fp8Codec(layout, clip_lo, clip_hi, fp8_scale)
+        if spec.is_engine:
+            return EngineCodec(layout, clip_lo, clip_hi)
         return (FloatCodec if spec.is_float else IntCodec)(layout, clip_lo, clip_hi)
 
     def _clip_bounds(self, lo: Tensor | None, hi: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
@@ -403,17 +443,20 @@ class IntCodec(RowCodec):
 
     @property
     def qmax(self) -> int:
-        """Largest symmetric code magnitude (127 / 7); asymmetric codes run 0..2*qmax+1."""
+        """Largest positive code (127 / 7); symmetric codes run -(qmax+1)..qmax, asymmetric ones 0..2*qmax+1."""
         return (1 << (self.spec.bits - 1)) - 1
+
+    @property
+    def scale_factors(self) -> tuple[float, ...]:
+        """Shrink factors of the symmetric scale search: `SCALE_FACTORS[kind]`."""
+        return SCALE_FACTORS[self.spec.kind]
 
     def _encode_rows(self, x: Tensor) -> Tensor:
         lay = self.layout
         x32 = x.float()
         xg = self._clip(x32).reshape(-1, lay.n_groups, lay.group_size)  # [N, G, g]
         if self.spec.symmetric:
-            scale = _fp16_round(xg.abs().amax(-1) / self.qmax, up=True)  # [N, G]
-            safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-            q = torch.clamp(torch.round(xg / safe), -self.qmax, self.qmax)
+            q, scale = symmetric_codes(xg, self.qmax, self.scale_factors)
             params = [scale]
         else:
             levels = 2 * self.qmax + 1
@@ -461,6 +504,43 @@ class IntCodec(RowCodec):
             lo = codes[:, lay.zero_offset : lay.zero_offset + 2 * lay.n_groups].contiguous()
             x.add_(lo.view(torch.float16).float().unsqueeze(-1))
         return x.view(-1, lay.width).to(dtype).reshape(*lead, lay.width) if out is None else out
+
+
+def symmetric_codes(xg: Tensor, qmax: int, factors: tuple[float, ...]) -> tuple[Tensor, Tensor]:
+    """Symmetric codes and signed FP16 scales of groups xg fp32 [N, G, g] (module docstring, "symmetric"):
+    (q fp32 [N, G, g] in [-(qmax+1), qmax], s fp32 [N, G], FP16 values). Candidates per group: the signed
+    extreme e on code -(qmax+1) (q4_0's orientation: s has the opposite sign of e) with |s| = fp16_up(|e| · f
+    / (qmax+1)) for f in `factors`; the one with the least Σ (q·s − x)² wins (the first on ties). The
+    candidates are scored together, `SEARCH_ROWS` rows at a time."""
+    n_neg = qmax + 1
+    ext = xg.gather(-1, xg.abs().argmax(-1, keepdim=True))  # [N, G, 1] signed extreme
+    f = torch.tensor(factors, dtype=torch.float32, device=xg.device)
+    magnitude = _fp16_round(ext.abs() * f / n_neg, up=True)  # [N, G, F]
+    s = torch.where(magnitude > 0, magnitude * torch.where(ext > 0, -1.0, 1.0), 0.0)  # all-zero group: s = +0
+    if len(factors) > 1:
+        best = torch.cat([_least_error(xg[i : i + SEARCH_ROWS], s[i : i + SEARCH_ROWS], -n_neg, qmax)
+                          for i in range(0, xg.shape[0], SEARCH_ROWS)])
+        s = s.gather(-1, best.unsqueeze(-1))
+    s = s.squeeze(-1)  # [N, G]
+    return _codes(xg, s, -n_neg, qmax, torch.empty_like(xg)), s
+
+
+SEARCH_ROWS = 4096  # rows per batch of the scale search: [4096, G, F, g] fp32, 25 MB for 160 channels, 11 factors
+
+
+def _least_error(xg: Tensor, s: Tensor, lo: int, hi: int) -> Tensor:
+    """Index [N, G] of the candidate scale s [N, G, F] with the least Σ_g (clamp(round(x / s), lo, hi)·s − x)²
+    over each group xg [N, G, g] (the first on ties)."""
+    x = xg.unsqueeze(2)  # [N, G, 1, g]
+    sc = s.unsqueeze(-1)  # [N, G, F, 1]
+    q = torch.div(x, torch.where(sc != 0, sc, torch.ones_like(sc))).round_().clamp_(lo, hi)
+    return q.mul_(sc).sub_(x).square_().sum(-1).argmin(-1)
+
+
+def _codes(xg: Tensor, s: Tensor, lo: int, hi: int, out: Tensor) -> Tensor:
+    """clamp(round(xg / s), lo, hi) for groups xg [N, G, g] and scales s [N, G] (s = 0: codes 0), into `out`."""
+    safe = torch.where(s != 0, s, torch.ones_like(s)).unsqueeze(-1)
+    return torch.div(xg, safe, out=out).round_().clamp_(lo, hi)
 
 
 class Fp8Codec(RowCodec):
@@ -519,6 +599,24 @@ class Fp8Codec(RowCodec):
         return x.to(dtype) if out is None else out.copy_(x)
 
 
+class EngineCodec(RowCodec):
+    """One part stored as another engine's cache format (`mlaquant.engine_codecs`, kinds `ENGINE_KINDS`):
+    `layout.n_groups` groups of `layout.group_size` values, codes at byte 0, then one scale per group. Clip
+    bounds are kept for `clip_rate` but never applied: engines do not clip."""
+
+    def _encode_rows(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        self._raise_if(not bool(torch.isfinite(x32).all()), False, "")
+        return engine_codecs.ENCODERS[self.spec.kind](x32.view(-1, self.layout.n_groups or 1, self.layout.group_size))
+
+    def _decode(self, codes: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+        lay = self.layout
+        lead = codes.shape[:-1]
+        rows = codes.reshape(-1, lay.row_bytes)
+        x = engine_codecs.DECODERS[self.spec.kind](rows, lay.n_groups or 1, lay.group_size).reshape(*lead, lay.width)
+        return x.to(dtype) if out is None else out.copy_(x)
+
+
 def _relative_error(xq: Tensor, x: Tensor, reduction: str) -> Tensor | float:
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
@@ -555,7 +653,7 @@ class LayerCodec(_LaidOut):
         # for fp8 that is a group of exactly the part's width (no group size means the static scale)
         specs = [
             replace(s, group_size=w if s.kind == FP8 else None)
-            if s.group_size is not None and s.group_size >= w
+            if s.group_size is not None and s.group_size >= w and not s.is_engine
             else s
             for s, w in zip(specs, (d_c, d_r))
         ]

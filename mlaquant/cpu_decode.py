@@ -51,8 +51,8 @@ Error against the FP32 reference (`mla_decode_reference`, the same quantized cac
            (e^(2 Δs) − 1) · max_t |v[t, c]|; FP32 P·V and the online rescaling add ≤ 2^-12 · max_t |v[t, c]|
            (≤ 2048 · 2^-24 = 2^-13 within a block's FP32 GEMM, blocks of at most 2048 FP32 values, a few
            2^-24 per block merge, for T < 2^20);
-           the two int8 digits of p·s (row-wise integer c_kv) add ≤ e^(4Δs) · max_t s_t · Σ_t |q_t,c| /
-           (127 · 256 · Σ_t p_t), p_t = e^(score_t − max score), q the codes (`error_bound` computes it).
+           the two int8 digits of p·s (row-wise integer c_kv) add ≤ e^(4Δs) · max_t |s_t| · Σ_t |q_t,c| /
+           (127 · 256 · Σ_t p_t), p_t = e^(score_t − max score), s_t signed, q the codes (`error_bound` computes it).
   lse      |Δlse| ≤ Δs = max_t |Δscore[t]| (+ FP32 rounding).
 
 `error_bound` computes the lse and output bounds of a call; tests/test_cpu_decode.py checks the outputs
@@ -149,12 +149,12 @@ def _workspace() -> Workspace:
 
 def split_probs(probs: Tensor, s: Tensor, ws: Workspace) -> tuple[Tensor, Tensor]:
     """The scaled probabilities p·s of a block in two int8 digits: probs fp32 [a, H, t] in [0, 1] (scores
-    less a running max at least their own), row scales s fp32 [a, t, 1] ≥ 0 → (digits int8 [a, 2H, t] =
-    [hi; lo], m fp32 [a, 1, 1]) with p·s ≈ m · (hi + lo / 128): m = max_t s_t / 127 ≥ max_t p_t s_t / 127
-    (the smallest normal FP32 number for all-zero scales), hi = round(p·s / m) ∈ [0, 127], lo = round((p·s /
-    m − hi) · 128) ∈ [−64, 64], so |p·s − m · (hi + lo / 128)| ≤ m / 256 per entry. m from the scales alone
-    spares the pass over [a, H, t] that max_t p_t s_t would take, and the division folds into the product."""
-    m = s.amax(1, keepdim=True).div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)  # [a, 1, 1]
+    less a running max at least their own), signed row scales s fp32 [a, t, 1] → (digits int8 [a, 2H, t] =
+    [hi; lo], m fp32 [a, 1, 1]) with p·s ≈ m · (hi + lo / 128): m = max_t |s_t| / 127 ≥ max_t p_t |s_t| / 127
+    (the smallest normal FP32 number for all-zero scales), hi = round(p·s / m) ∈ [−127, 127], lo = round((p·s
+    / m − hi) · 128) ∈ [−64, 64], so |p·s − m · (hi + lo / 128)| ≤ m / 256 per entry. m from the scales alone
+    spares the pass over [a, H, t] that max_t p_t |s_t| would take, and the division folds into the product."""
+    m = s.abs().amax(1, keepdim=True).div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)  # [a, 1, 1]
     a, heads, t = probs.shape
     digits = ws.get("digits", (a, 2 * heads, t), torch.float32)  # [hi; lo] in FP32, converted once
     hi, lo = digits[:, :heads], digits[:, heads:]
@@ -513,7 +513,7 @@ def error_bound(
     docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + 2^-20 · Σ_c |q_c k_c|) · (1 + 2^-10) over the
     tokens (the qs term only when `quantized_query`: off for a query already equal to its quantized
     value), Δout = (e^(2 Δs) − 1 + 2^-12) · max_t |v[t, c]| + the P·V digit term of a row-wise integer
-    c_kv part, e^(4 Δs) · max_t s_t · Σ_t |q_t,c| / (127 · 256 · Σ_t p_t) with p_t = e^(score_t − max)
+    c_kv part, e^(4 Δs) · max_t |s_t| · Σ_t |q_t,c| / (127 · 256 · Σ_t p_t) with p_t = e^(score_t − max)
     and s_t = `row_scales[b]` fp32 [T_b] (the stored c_kv row scales; required for such a part); |q_t,c| =
     |v_t,c| / s_t for symmetric codes (the int4 bias comes off the INT32 sums exactly), the codes' bound
     for asymmetric ones (128 int8, 15 int4: their zero points are added apart)."""
@@ -553,9 +553,10 @@ def _digit_bound(q: Tensor, kv: Tensor, codec: LayerCodec, d_c: int, scale: floa
     scores = (q @ kv.t()) * scale  # [H, T]
     p = (scores - scores.amax(-1, keepdim=True)).exp()
     if codec.ckv.spec.symmetric:
+        s = s.abs()
         safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
         sum_q = (kv[:, :d_c].abs() / safe).sum(0)  # [d_c]
     else:
         sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 15.0) * kv.shape[0], device=kv.device)
-    top = s.amax() / (127.0 * 256.0 * p.sum(-1))  # [H]: the digits' m = max_t s_t / 127 (`split_probs`)
+    top = s.abs().amax() / (127.0 * 256.0 * p.sum(-1))  # [H]: the digits' m = max_t |s_t| / 127 (`split_probs`)
     return (torch.exp(4 * ds) * top).unsqueeze(-1) * sum_q

@@ -50,6 +50,31 @@ def _fp16_toward(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(miss, step, h).float()
 
 
+def _reference_symmetric(xg: torch.Tensor, bits: int, factors: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric x̂ and signed scales of groups xg [N, G, g], group by group in Python: every candidate of
+    the docstring (the extreme on the negative code, |s| = fp16_up(|e| · f / 2^(b-1))) enumerated, the least
+    squared error kept, the first on ties."""
+    lo_code, hi_code = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    xq, scales = torch.empty_like(xg), torch.empty(xg.shape[:2])
+    for n in range(xg.shape[0]):
+        for j in range(xg.shape[1]):
+            grp = xg[n, j]
+            e = grp[grp.abs().argmax()]
+            best = None
+            for f in factors:
+                mag = _fp16_toward((e.abs() * f / -lo_code).reshape(1), up=True)[0]
+                s = 0.0 if mag == 0 else float(mag) * (-1.0 if e > 0 else 1.0)
+                q = torch.clamp(torch.round(grp / (s if s else 1.0)), lo_code, hi_code)
+                err = float(((q * s - grp) ** 2).sum())
+                if best is None or err < best[0]:
+                    best = (err, q * s, s)
+            xq[n, j], scales[n, j] = best[1], best[2]
+    return xq, scales
+
+
+INT4_FACTORS = [1.0 - k / 40 for k in range(11)]
+
+
 def _reference_fake_quant(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Independent quantize→dequantize of x [N, W] per the docstring formulas; returns (x̂, scale [N, W])."""
     spec = CodecSpec.parse(name)
@@ -58,9 +83,8 @@ def _reference_fake_quant(x: torch.Tensor, name: str) -> tuple[torch.Tensor, tor
     qmax = 127 if spec.kind == "int8" else 7
     xg = x.reshape(x.shape[0], w // g, g)
     if spec.symmetric:
-        s = _fp16_toward(xg.abs().amax(-1, keepdim=True) / qmax, up=True)
-        q = torch.clamp(torch.round(xg / torch.where(s > 0, s, 1)), -qmax, qmax)
-        xq = q * s
+        xq, s = _reference_symmetric(xg, spec.bits, INT4_FACTORS if spec.kind == "int4" else [1.0])
+        s = s.unsqueeze(-1)
     else:
         lo = _fp16_toward(xg.amin(-1, keepdim=True), up=False)
         s = _fp16_toward((xg.amax(-1, keepdim=True) - lo) / (2 * qmax + 1), up=True)
@@ -106,22 +130,32 @@ def test_integer_codecs_match_reference_and_half_step_bound(name):
     xq = codec.fake_quant(x)
     ref, s = _reference_fake_quant(x, name)
     assert torch.equal(xq, ref)
-    # the bound comes from the stored scale: |x - x̂| ≤ s/2 (+ FP32 rounding of q*s + lo)
     eps = 4 * torch.finfo(torch.float32).eps * (x.abs() + xq.abs())
-    assert ((x - xq).abs() <= s / 2 + eps).all()
-    # the stored scale is the FP16 value just at or above range / levels (one FP16 ulp, relative 2^-10
-    # for normal numbers, 2^-24 absolute for subnormal ones), not something coarser
     spec = CodecSpec.parse(name)
-    levels = {("int8", True): 127, ("int8", False): 255, ("int4", True): 7, ("int4", False): 15}
-    levels = levels[spec.kind, spec.symmetric]
     xg = x.reshape(64, -1, spec.group_size or 128)
-    if spec.symmetric:
-        span = xg.abs().amax(-1)
-    else:
-        span = xg.amax(-1) - _fp16_toward(xg.amin(-1), up=False)
     s_group = s.reshape_as(xg)[..., 0]
-    assert (s_group * levels >= span * (1 - 1e-6)).all()
-    assert (s_group <= span / levels * (1 + 2**-10) + 2**-24).all()
+    if not spec.symmetric:
+        # the bound comes from the stored scale: |x - x̂| ≤ s/2 (+ FP32 rounding of q*s + lo); the scale is the
+        # FP16 value just at or above range / levels (one FP16 ulp, relative 2^-10 for normal numbers, 2^-24
+        # absolute for subnormal ones), not something coarser
+        assert ((x - xq).abs() <= s / 2 + eps).all()
+        levels = 255 if spec.kind == "int8" else 15
+        span = xg.amax(-1) - _fp16_toward(xg.amin(-1), up=False)
+        assert (s_group * levels >= span * (1 - 1e-6)).all()
+        assert (s_group <= span / levels * (1 + 2**-10) + 2**-24).all()
+        return
+    # symmetric: half a step inside the code range [-(qmax+1.5)|s|, (qmax+0.5)|s|] (oriented by s's sign),
+    # |s| at most one FP16 ulp above |extreme| / (qmax + 1) and at least its smallest shrink factor of that
+    n_neg = 128 if spec.kind == "int8" else 8
+    inside = (x / torch.where(s != 0, s, 1)).clamp(-n_neg - 0.5, n_neg - 0.5) == x / torch.where(s != 0, s, 1)
+    assert ((x - xq).abs() <= s.abs() / 2 + eps)[inside].all()
+    assert inside.float().mean() > 0.97  # saturation is the exception, not the rule
+    absmax = xg.abs().amax(-1)
+    assert (s_group.abs() <= absmax / n_neg * (1 + 2**-10) + 2**-24).all()
+    smallest = min(INT4_FACTORS) if spec.kind == "int4" else 1.0
+    assert (s_group.abs() >= absmax * smallest / n_neg * (1 - 1e-6)).all()
+    # every level is used: each group's extreme sits on -(qmax+1) unless a shrunk scale clipped it
+    assert (xq / torch.where(s != 0, s, 1)).round().min() == -n_neg
 
 
 @pytest.mark.parametrize("name", QUANT_NAMES)
@@ -144,20 +178,24 @@ def test_stored_scales_sit_where_the_layout_says(name):
 
 
 def test_int4_nibble_order_and_bias_by_hand():
-    # symmetric: s = fp16 round-up of 1/7; codes q = 7, -7, 3, 0 stored as q + 8 = 15, 1, 11, 8
+    # symmetric: the extreme -1 lands on code -8 with s = 1/8 (exact in FP16), 0.5 on +4, 0.25 on +2, 0 on 0;
+    # stored as q + 8 = 0, 12, 10, 8
     codec = _codec("int4-row", 4)
-    codes = codec.encode(torch.tensor([[1.0, -1.0, 3 / 7, 0.0]]))
+    codes = codec.encode(torch.tensor([[-1.0, 0.5, 0.25, 0.0]]))
     assert codes.shape == (1, 4)
-    assert codes[0, :2].tolist() == [0x1F, 0x8B]  # low nibble = even channel
-    s = codes[0, 2:].contiguous().view(torch.float16).item()
-    assert 1 / 7 <= s < 1 / 7 + 2**-13
+    assert codes[0, :2].tolist() == [0xC0, 0x8A]  # low nibble = even channel
+    assert codes[0, 2:].contiguous().view(torch.float16).item() == 0.125
+    # a positive extreme gets a negative scale (q4_0's rule): 1.0 → code -8 with s = -1/8
+    codes = codec.encode(torch.tensor([[1.0, -0.5, 0.25, 0.0]]))
+    assert codes[0, :2].tolist() == [0xC0, 0x86]
+    assert codes[0, 2:].contiguous().view(torch.float16).item() == -0.125
     # asymmetric: lo = 0, s = 1 exactly; codes 0, 15, 1, 14
     codec = _codec("int4-row-asym", 4)
     codes = codec.encode(torch.tensor([[0.0, 15.0, 1.0, 14.0]]))
     assert codes[0].tolist() == [0xF0, 0xE1, 0x00, 0x3C, 0x00, 0x00]  # codes | fp16 1.0 | fp16 +0.0
-    # int8 symmetric codes are two's complement, then the fp16 scale 1.0
-    codes = _codec("int8-row", 2).encode(torch.tensor([[127.0, -127.0]]))
-    assert codes[0].tolist() == [0x7F, 0x81, 0x00, 0x3C]
+    # int8 symmetric codes are two's complement, then the fp16 scale: -128 → code -128 with s = 1.0
+    codes = _codec("int8-row", 2).encode(torch.tensor([[127.0, -128.0]]))
+    assert codes[0].tolist() == [0x7F, 0x80, 0x00, 0x3C]
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "fp16", *QUANT_NAMES])
@@ -286,8 +324,9 @@ def test_clipping_changes_scale_and_clip_rate_counts():
     plain, clipped = _codec("int8-g64", 64), _codec("int8-g64", 64, clip_hi=bound)  # clip_lo mirrored
     s_plain = plain.encode(x)[:, 64:].contiguous().view(torch.float16).float().squeeze(1)
     s_clip = clipped.encode(x)[:, 64:].contiguous().view(torch.float16).float().squeeze(1)
-    assert s_plain[0] == _fp16_toward(torch.tensor(50.0 / 127), up=True)
-    assert s_clip[0] == _fp16_toward(torch.tensor(2.0 / 127), up=True)
+    # the extreme (50, clipped to 2) lands on code -128: a negative scale
+    assert s_plain[0] == -_fp16_toward(torch.tensor(50.0 / 128), up=True)
+    assert s_clip[0] == -_fp16_toward(torch.tensor(2.0 / 128), up=True)
     assert torch.equal(s_plain[1:7], s_clip[1:7])  # rows without outliers keep their own range
     assert plain.clip_rate(x) == 0.0
     assert clipped.clip_rate(x) == pytest.approx(3 / 1024)
