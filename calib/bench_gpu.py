@@ -67,11 +67,13 @@ class Sizes:
     def of(cls, quick: bool) -> Sizes:
         if quick:
             tiny_cal = dict(samples=4, seq_len=32, val_samples=2, test_samples=2, batch_size=2, narrow_trials=1,
-                            long_seq_len=64, long_test_samples=1,
+                            long_seq_len=64, long_test_samples=1, shift_samples=1, shift_long_samples=1,
+                            shift_val_samples=1,
                             try_clip=False, try_rotation=False,
                             candidates=("int8-g64/int8-g32", "fp16/fp16"))  # fmt: skip
             return cls(tiny_cal, 2, 2, TINY, tiny_cal, 2, 96, 3)
-        stream_cal = dict(samples=32, seq_len=512, val_samples=8, test_samples=8, narrow_trials=2, long_test_samples=0)
+        stream_cal = dict(samples=32, seq_len=512, val_samples=8, test_samples=8, narrow_trials=2, long_test_samples=0,
+                          shift_samples=0, shift_long_samples=0, shift_val_samples=0)
         return cls({}, 16, 4, V2_LITE, stream_cal, 32, 8192, 16)
 
 

@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mlaquant.calib.data import split_path
+from mlaquant.calib.data import shift_description, shift_source, split_path
 from mlaquant.calib.observers import LatentStats, observe, observe_streamed
 from mlaquant.codecs import LayerCodec
 from mlaquant.config import ConfigError, load_config, to_dict
@@ -81,6 +81,14 @@ class CalibrateConfig:
     long_seq_len: int = 2048
     long_test_samples: int = 16
     long_window: int = 128
+    # Off-distribution check: the plan on text unlike the bundled splits (`mlaquant.calib.data.shift_source`, or
+    # --shift-data), `shift_samples` windows of seq_len and `shift_long_samples` of long_seq_len tokens (0 = off).
+    shift_samples: int = 32
+    shift_long_samples: int = 8
+    # A second validation domain: the plan must also stay under headroom x budget on `shift_val_samples` windows
+    # of long_seq_len tokens of third-party text disjoint from the reported one (`shift_validation_source`;
+    # 0 = off), where long contexts and unfamiliar code cost the most.
+    shift_val_samples: int = 8
     budget: float = 0.01
     headroom: float = 0.6
     seed: int = 0
@@ -115,6 +123,8 @@ class CalibrateConfig:
             raise ConfigError("calibrate: need seq_len ≥ 2, 0 < headroom ≤ 1, 0.5 < percentile ≤ 1")
         if min(self.long_seq_len, self.long_test_samples, self.long_window) < 0 or self.long_seq_len == 1:
             raise ConfigError("calibrate: long_seq_len (0 or ≥ 2), long_test_samples and long_window must be ≥ 0")
+        if min(self.shift_samples, self.shift_long_samples, self.shift_val_samples) < 0:
+            raise ConfigError("calibrate: shift_samples, shift_long_samples and shift_val_samples must be ≥ 0")
         if self.batch_size is not None and self.batch_size <= 0:
             raise ConfigError(f"calibrate: batch_size must be > 0 or null (auto), got {self.batch_size}")
         if "fp16/fp16" not in self.candidates:
@@ -130,7 +140,13 @@ class Choice:
     rotate: bool  # c_kv Hadamard-rotated
     rotate_rope: bool  # k_pe (and q_pe) Hadamard-rotated after RoPE
     row_bytes: int
-    loss: float
+    loss: float  # single-layer loss on the validation split
+    second_loss: float | None = None  # on the second validation domain (None when off)
+
+    @property
+    def worst(self) -> float:
+        """The larger single-layer loss of the two validation domains: what the search weighs."""
+        return self.loss if self.second_loss is None else max(self.loss, self.second_loss)
 
 
 class LayerVariants:
@@ -199,9 +215,14 @@ def best_variant(v: LayerVariants, name: str, try_clip: bool, d_c: int, d_r: int
 
 
 def measure_layers(
-    model: MLAModel, evaluator: Evaluator, variants: list[LayerVariants], cfg: CalibrateConfig, progress
+    model: MLAModel,
+    validation: Validation,
+    variants: list[LayerVariants],
+    cfg: CalibrateConfig,
+    progress,
 ) -> list[list[Choice]]:
-    """Per layer, the candidates sorted by bytes, each with its single-layer validation loss."""
+    """Per layer, the candidates sorted by bytes, each with its single-layer loss on the validation split (and
+    on the second domain, when on)."""
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     n = len(model.layers)
     table = []
@@ -210,25 +231,21 @@ def measure_layers(
         for name in cfg.candidates:
             row_bytes = v.codec(name, False, (False, False), d_c, d_r).row_bytes
             if name == "fp16/fp16":
-                choices.append(Choice(name, False, False, False, row_bytes, 0.0))
+                zero = None if validation.second is None else 0.0
+                choices.append(Choice(name, False, False, False, row_bytes, 0.0, zero))
                 continue
             rotate, rotate_rope, clip = best_variant(v, name, cfg.try_clip, d_c, d_r)
             rot = v.rotation(rotate, rotate_rope, d_c, d_r)
             m = rotated(model, {i: rot}) if rotate or rotate_rope else model
             codecs = [None] * n
             codecs[i] = v.codec(name, clip, (rotate, rotate_rope), d_c, d_r)
-            choices.append(
-                Choice(
-                    name,
-                    clip,
-                    rotate,
-                    rotate_rope,
-                    row_bytes,
-                    evaluator.evaluate(codecs, first_layer=i, model=m, loss_only=True).loss,
-                )
-            )
+            losses = [
+                None if ev is None else ev.evaluate(codecs, first_layer=i, model=m, loss_only=True).loss
+                for ev in (validation.primary, validation.second)
+            ]
+            choices.append(Choice(name, clip, rotate, rotate_rope, row_bytes, *losses))
             progress.update(1)
-        table.append(sorted(choices, key=lambda c: (c.row_bytes, c.loss)))
+        table.append(sorted(choices, key=lambda c: (c.row_bytes, c.worst)))
     return table
 
 
@@ -236,17 +253,19 @@ def describe(c: Choice) -> str:
     """One measured candidate as a plan.yaml line: codec, bytes, single-layer validation loss, variant."""
     flags = (("rotated c_kv", c.rotate), ("rotated k_pe", c.rotate_rope), ("clipped", c.clip))
     variant = [name for name, on in flags if on]
-    return f"{c.name}: {c.row_bytes} B, {c.loss:+.4%}" + (f" ({', '.join(variant)})" if variant else "")
+    second = "" if c.second_loss is None else f", third-party {c.second_loss:+.4%}"
+    return f"{c.name}: {c.row_bytes} B, {c.loss:+.4%}{second}" + (f" ({', '.join(variant)})" if variant else "")
 
 
 def search(table: list[list[Choice]], target: float) -> list[int]:
-    """Index of the chosen candidate per layer: cheapest first, greedy upgrades by loss saved per byte."""
+    """Index of the chosen candidate per layer: cheapest first, greedy upgrades by loss saved per byte (the
+    single-layer losses `Choice.worst` of the two validation domains)."""
     pick = [0] * len(table)
-    while sum(table[i][p].loss for i, p in enumerate(pick)) > target:
+    while sum(table[i][p].worst for i, p in enumerate(pick)) > target:
         best, best_gain = None, 0.0
         for i, p in enumerate(pick):
             for q in range(p + 1, len(table[i])):
-                saved = table[i][p].loss - table[i][q].loss
+                saved = table[i][p].worst - table[i][q].worst
                 gain = saved / max(1, table[i][q].row_bytes - table[i][p].row_bytes)
                 if saved > 0 and gain > best_gain:
                     best, best_gain = (i, q), gain
@@ -269,15 +288,14 @@ def int8_matmul_costs(model: MLAModel, evaluator: Evaluator, progress=None) -> l
 
 
 def add_int8_matmul(
-    plan: Plan, model: MLAModel, evaluator: Evaluator, costs: list[float], target: float, fallbacks: list
-) -> EvalResult:
+    plan: Plan, model: MLAModel, validation: Validation, costs: list[float], target: float, fallbacks: list
+) -> Checked:
     """Turn `int8_matmul` on in every layer of `plan`, then off again, costliest layer first, while the
-    plan's validation loss is over `target`; returns the final validation result."""
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    plan's validation loss (every check) is over `target`; returns the final validation."""
     for lp in plan.layers:
         lp.int8_matmul = True
-    result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
-    while result.loss > target and any(lp.int8_matmul for lp in plan.layers):
+    checked = validation.check(model, plan)
+    while checked.loss > target and any(lp.int8_matmul for lp in plan.layers):
         i = max((j for j, lp in enumerate(plan.layers) if lp.int8_matmul), key=costs.__getitem__)
         plan.layers[i].int8_matmul = False
         fallbacks.append(
@@ -285,20 +303,20 @@ def add_int8_matmul(
                 "layer": i,
                 "from": "int8_matmul",
                 "to": "fp matmul",
-                "reason": f"plan validation loss {result.loss:.4%} > {target:.4%} (headroom × budget); "
+                "reason": f"{checked.describe()} > {target:.4%} (headroom × budget); "
                 f"layer {i}'s INT8 projections cost the most alone ({costs[i]:.4%})",
             }
         )
         log.info("fallback: layer %d int8_matmul → fp matmul", i)
-        result = evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model))
-    return result
+        checked = validation.check(model, plan)
+    return checked
 
 
 def wider(row: list[Choice], p: int) -> int:
     """The fallback from candidate p of a layer's row (sorted by bytes): the next wider candidate that
     measured a lower single-layer loss, else the last (FP16) — never one that measured worse alone."""
     last = len(row) - 1
-    return next((q for q in range(p + 1, last) if row[q].loss < row[p].loss), last)
+    return next((q for q in range(p + 1, last) if row[q].worst < row[p].worst), last)
 
 
 def narrowing_moves(table: list[list[Choice]], pick: list[int], frozen: set[int]) -> list[tuple[int, int]]:
@@ -311,7 +329,7 @@ def narrowing_moves(table: list[list[Choice]], pick: list[int], frozen: set[int]
         for q in range(p):
             saved = table[i][p].row_bytes - table[i][q].row_bytes
             if saved > 0:
-                moves.append((saved / max(table[i][q].loss - table[i][p].loss, 1e-9), i, q))
+                moves.append((saved / max(table[i][q].worst - table[i][p].worst, 1e-9), i, q))
     return [(i, q) for _, i, q in sorted(moves, reverse=True)]
 
 
@@ -322,37 +340,91 @@ def max_row_error(rows: torch.Tensor, codec: LayerCodec) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Sources:
-    """Where each split's text comes from: the given file, directory or JSONL, else the bundled split."""
+    """Where each split's text comes from: the given file, directory or JSONL, else the bundled split; `shift`
+    the off-distribution text (default: `shift_source`, described by `shift_name`)."""
 
     calibration: str | Path
     validation: str | Path
     test: str | Path
+    shift: str | Path | tuple[Path, ...]
+    shift_name: str
+    shift_validation: tuple[Path, ...]
 
     @classmethod
-    def resolve(cls, data: str | Path | None, val_data: str | Path | None, test_data: str | Path | None) -> Sources:
+    def resolve(
+        cls,
+        data: str | Path | None,
+        val_data: str | Path | None,
+        test_data: str | Path | None,
+        shift_data: str | Path | None = None,
+    ) -> Sources:
+        shift, name = (shift_data, str(shift_data)) if shift_data else (shift_source(), shift_description())
         return cls(
-            data or split_path("calibration"), val_data or split_path("validation"), test_data or split_path("test")
+            data or split_path("calibration"),
+            val_data or split_path("validation"),
+            test_data or split_path("test"),
+            shift,
+            name,
+            shift_source("validation"),
         )
+
+
+@dataclasses.dataclass
+class Checked:
+    """A plan measured by every validation check: `result` on the validation split, `second` on the second
+    domain (None when off); `loss` is the worse of the two, what the search's target applies to."""
+
+    result: EvalResult
+    second: EvalResult | None
+    second_len: int = 0  # tokens per window of the second domain
+
+    @property
+    def loss(self) -> float:
+        return self.result.loss if self.second is None else max(self.result.loss, self.second.loss)
+
+    def describe(self) -> str:
+        """'plan validation loss 0.5210%' (+ the second domain's)."""
+        second = "" if self.second is None else f", third-party validation @{self.second_len} {self.second.loss:.4%}"
+        return f"plan validation loss {self.result.loss:.4%}{second}"
+
+
+class Validation:
+    """The checks of the plan search: `primary` the validation split at seq_len, `second` the second domain
+    (third-party text at long_seq_len) or None."""
+
+    def __init__(self, primary: Evaluator, second: Evaluator | None = None) -> None:
+        self.primary, self.second = primary, second
+
+    def check(
+        self, model: MLAModel | StreamedModel, plan: Plan, loss_only: bool = False, target: float | None = None
+    ) -> Checked:
+        """`plan` through every check (the second domain loss only); with `target`, a plan already over it on
+        the validation split is not run through the second domain (its `loss` is over `target` either way)."""
+        primary = verify(model, self.primary, plan, loss_only)
+        if self.second is None or (target is not None and primary.loss > target):
+            return Checked(primary, None)
+        return Checked(primary, verify(model, self.second, plan, loss_only=True), int(self.second.samples.shape[1]))
 
 
 @dataclasses.dataclass
 class Measurements:
     """What observe and measure found, read by every later stage.
 
-    `variants[i]`: layer i's observed rows and ranges; `evaluator`: the validation split with its FP16
-    reference; `table[i]`: layer i's candidates sorted by bytes, each with its single-layer loss;
-    `int8_costs[i]`: layer i's single-layer loss with W8A8 projections (None without `int8_matmul`).
+    `variants[i]`: layer i's observed rows and ranges; `validation`: the checks with their FP16 references
+    (`validation.primary` the validation split, on which every single-layer loss is measured); `table[i]`:
+    layer i's candidates sorted by bytes, each with its single-layer loss; `int8_costs[i]`: layer i's
+    single-layer loss with W8A8 projections (None without `int8_matmul`).
     """
 
     variants: list[LayerVariants]
-    evaluator: Evaluator
+    validation: Validation
     table: list[list[Choice]]
     int8_costs: list[float] | None
 
 
 @dataclasses.dataclass
 class Verified:
-    """A plan, its validation result, and the search state it was built from.
+    """A plan, its validation results, and the search state it was built from.
 
     `pick[i]`: index of layer i's chosen candidate in `Measurements.table[i]`; `fallbacks`: the moves
     recorded so far (plan.yaml `fallbacks`); `notes[i]`: layer i's plan.yaml note.
@@ -362,7 +434,7 @@ class Verified:
     fallbacks: list[dict]
     notes: dict[int, str]
     plan: Plan
-    result: EvalResult
+    checked: Checked
 
 
 def evaluator_class(model: MLAModel | StreamedModel) -> type[Evaluator]:
@@ -370,12 +442,26 @@ def evaluator_class(model: MLAModel | StreamedModel) -> type[Evaluator]:
     return StreamedEvaluator if isinstance(model, StreamedModel) else Evaluator
 
 
-def progress_total(model: MLAModel | StreamedModel, cfg: CalibrateConfig, cal: torch.Tensor, val: torch.Tensor) -> int:
-    """Progress-bar steps of observe + measure: calibration and validation batches, one per measured layer
-    candidate (and per layer's INT8 projections with `int8_matmul`)."""
-    batches = lambda x: -(-x.shape[0] // cfg.batch_size)
+def progress_total(
+    model: MLAModel | StreamedModel,
+    cfg: CalibrateConfig,
+    cal: torch.Tensor,
+    val: torch.Tensor,
+    second: torch.Tensor | None,
+) -> int:
+    """Progress-bar steps of observe + measure: calibration, validation and second-domain batches, one per
+    measured layer candidate (and per layer's INT8 projections with `int8_matmul`)."""
+    batches = lambda x, size: -(-x.shape[0] // size)
     int_candidates = sum(1 for c in cfg.candidates if c != "fp16/fp16")
-    return batches(cal) + batches(val) + len(model.layers) * (int_candidates + cfg.int8_matmul)
+    extra = 0 if second is None else batches(second, long_batch(model, cfg, second.shape[1]))
+    return batches(cal, cfg.batch_size) + batches(val, cfg.batch_size) + extra + len(model.layers) * (
+        int_candidates + cfg.int8_matmul
+    )
+
+
+def long_batch(model: MLAModel | StreamedModel, cfg: CalibrateConfig, seq_len: int) -> int:
+    """Samples per batch of windows of `seq_len` tokens: what fits half the free GPU memory, else at most 4."""
+    return auto_batch_size(model.device, sample_bytes(model, seq_len), None, default=min(cfg.batch_size, 4))
 
 
 def observe_variants(
@@ -390,19 +476,30 @@ def observe_variants(
 
 
 def measure(
-    model: MLAModel | StreamedModel, val: torch.Tensor, variants: list[LayerVariants], cfg: CalibrateConfig, progress
+    model: MLAModel | StreamedModel,
+    val: torch.Tensor,
+    variants: list[LayerVariants],
+    cfg: CalibrateConfig,
+    progress,
+    second: torch.Tensor | None = None,
 ) -> Measurements:
-    """Stage measure: the FP16 reference on the validation tokens [n, seq_len] int64, then every layer's
-    single-layer loss per candidate (and per layer's W8A8 projections with `int8_matmul`)."""
+    """Stage measure: the FP16 references on the validation tokens [n, seq_len] int64 (and on the second
+    domain's [m, long_seq_len], when given), then every layer's single-layer loss per candidate on the
+    validation split (and per layer's W8A8 projections with `int8_matmul`)."""
     progress.set_postfix_str("fp16 reference")
     evaluator = evaluator_class(model)(model, val, cfg.batch_size, progress=progress)
+    if second is not None:
+        batch = long_batch(model, cfg, second.shape[1])
+        validation = Validation(evaluator, evaluator_class(model)(model, second, batch, progress=progress))
+    else:
+        validation = Validation(evaluator)
     progress.set_postfix_str("per-layer sensitivity")
-    table = measure_layers(model, evaluator, variants, cfg, progress)
+    table = measure_layers(model, validation, variants, cfg, progress)
     int8_costs = None
     if cfg.int8_matmul:
         progress.set_postfix_str("int8 projections")
         int8_costs = int8_matmul_costs(model, evaluator, progress)
-    return Measurements(variants, evaluator, table, int8_costs)
+    return Measurements(variants, validation, table, int8_costs)
 
 
 def build_plan(
@@ -436,15 +533,16 @@ def verify(model: MLAModel | StreamedModel, evaluator: Evaluator, plan: Plan, lo
 
 
 def fall_back(model: MLAModel | StreamedModel, m: Measurements, pick: list[int], cfg: CalibrateConfig) -> Verified:
-    """Stage fallback: verify the searched `pick` on validation; while over `headroom × budget`, the layer
-    with the largest single-layer loss moves to its `wider` candidate, each move recorded."""
+    """Stage fallback: verify the searched `pick` by every validation check; while over `headroom × budget`,
+    the layer with the largest single-layer loss (`Choice.worst`) moves to its `wider` candidate, each move
+    recorded."""
     target = cfg.headroom * cfg.budget
     pick, fallbacks = list(pick), []
     plan = build_plan(model, m, pick, {}, cfg.budget)
-    result = verify(model, m.evaluator, plan)
-    while result.loss > target:
+    checked = m.validation.check(model, plan)
+    while checked.loss > target:
         movable = [i for i, p in enumerate(pick) if p + 1 < len(m.table[i])]
-        i = max(movable, key=lambda j: m.table[j][pick[j]].loss)
+        i = max(movable, key=lambda j: m.table[j][pick[j]].worst)
         old = m.table[i][pick[i]]
         pick[i] = wider(m.table[i], pick[i])
         new = m.table[i][pick[i]]
@@ -453,31 +551,32 @@ def fall_back(model: MLAModel | StreamedModel, m: Measurements, pick: list[int],
                 "layer": i,
                 "from": old.name,
                 "to": new.name,
-                "reason": f"plan validation loss {result.loss:.4%} > {target:.4%} (headroom × budget); "
-                f"layer {i} had the largest single-layer loss ({old.loss:.4%})",
+                "reason": f"{checked.describe()} > {target:.4%} (headroom × budget); "
+                f"layer {i} had the largest single-layer loss ({old.worst:.4%})",
             }
         )
         log.info("fallback: layer %d %s → %s", i, old.name, new.name)
         plan = build_plan(model, m, pick, {}, cfg.budget)
-        result = verify(model, m.evaluator, plan)
-    return Verified(pick, fallbacks, {}, plan, result)
+        checked = m.validation.check(model, plan)
+    return Verified(pick, fallbacks, {}, plan, checked)
 
 
 def narrow(model: MLAModel | StreamedModel, m: Measurements, v: Verified, cfg: CalibrateConfig) -> Verified:
     """Stage narrow: up to `narrow_trials` cheaper candidates (`narrowing_moves`, never a layer that fell
-    back), each verified end to end; a move is kept while the plan stays under `headroom × budget`."""
+    back), each verified end to end by every check; a move is kept while the plan stays under
+    `headroom × budget`."""
     target = cfg.headroom * cfg.budget
     pick, notes = list(v.pick), dict(v.notes)
     trials, frozen = 0, {f["layer"] for f in v.fallbacks}
     while trials < cfg.narrow_trials:
         for i, q in narrowing_moves(m.table, pick, frozen):
             old, pick[i] = pick[i], q
-            measured = verify(model, m.evaluator, build_plan(model, m, pick, notes, cfg.budget), loss_only=True)
+            trial = build_plan(model, m, pick, notes, cfg.budget)
+            measured = m.validation.check(model, trial, loss_only=True, target=target)
             trials += 1
             if measured.loss <= target:
                 log.info("narrowed: layer %d %s → %s", i, m.table[i][old].name, m.table[i][q].name)
-                loss = f"plan validation loss {measured.loss:.4%} ≤ {target:.4%}"
-                notes[i] = f"narrowed from {m.table[i][old].name}: {loss}"
+                notes[i] = f"narrowed from {m.table[i][old].name}: {measured.describe()} ≤ {target:.4%}"
                 break
             pick[i] = old
             if trials >= cfg.narrow_trials:
@@ -487,7 +586,7 @@ def narrow(model: MLAModel | StreamedModel, m: Measurements, v: Verified, cfg: C
     if not trials:
         return v
     plan = build_plan(model, m, pick, notes, cfg.budget)
-    return Verified(pick, v.fallbacks, notes, plan, verify(model, m.evaluator, plan))
+    return Verified(pick, v.fallbacks, notes, plan, m.validation.check(model, plan))
 
 
 def int8_projections(model: MLAModel, m: Measurements, v: Verified, cfg: CalibrateConfig) -> Verified:
@@ -496,8 +595,8 @@ def int8_projections(model: MLAModel, m: Measurements, v: Verified, cfg: Calibra
     if not cfg.int8_matmul:
         return v
     fallbacks = list(v.fallbacks)
-    result = add_int8_matmul(v.plan, model, m.evaluator, m.int8_costs, cfg.headroom * cfg.budget, fallbacks)
-    return dataclasses.replace(v, fallbacks=fallbacks, result=result)
+    checked = add_int8_matmul(v.plan, model, m.validation, m.int8_costs, cfg.headroom * cfg.budget, fallbacks)
+    return dataclasses.replace(v, fallbacks=fallbacks, checked=checked)
 
 
 def build_report(
@@ -514,7 +613,14 @@ def build_report(
     (`time.perf_counter`)."""
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     plan, (cal, val) = v.plan, samples
-    report = {"validation": v.result.as_dict(), "candidates": [[dataclasses.asdict(c) for c in row] for row in m.table]}
+    report = {"validation": v.checked.result.as_dict()}
+    if v.checked.second is not None:
+        report["shift_validation"] = {
+            "data": shift_description("validation"),
+            "seq_len": v.checked.second_len,
+            "loss": v.checked.second.loss,
+        }
+    report["candidates"] = [[dataclasses.asdict(c) for c in row] for row in m.table]
     if cfg.test_samples:
         test = token_samples(
             model.tokenizer, sources.test, cfg.test_samples, cfg.seq_len, cfg.seed + 2, model.cfg.eos_id
@@ -522,10 +628,13 @@ def build_report(
         report["test"] = verify(model, evaluator_class(model)(model, test, cfg.batch_size), plan).as_dict()
     if cfg.test_samples and cfg.long_seq_len and cfg.long_test_samples:
         report["long_context"] = long_context(model, cfg, sources, plan)
+    if cfg.shift_samples or cfg.shift_long_samples:
+        report["shift"] = off_distribution(model, cfg, sources, plan)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     report |= peak_memory(model.device)
     plan.fallbacks = v.fallbacks
-    plan.metrics = {k: report[k] for k in ("validation", "test", "long_context") if k in report} | {
+    kept = ("validation", "shift_validation", "test", "long_context", "shift")
+    plan.metrics = {k: report[k] for k in kept if k in report} | {
         "bytes_per_token_per_layer": plan.bytes_per_token(d_c, d_r) / len(model.layers),
         "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
         "fp16_bytes_per_token_per_layer": (d_c + d_r) * 2,
@@ -537,6 +646,7 @@ def build_report(
         "data": str(sources.calibration),
         "val_data": str(sources.validation),
         "test_data": str(sources.test),
+        "shift_data": sources.shift_name,
         "calibration_tokens": int(cal.numel()),
         "validation_tokens": int(val.numel()),
         # where it ran: recorded, not part of the fingerprint (a plan fits any device and dtype)
@@ -553,8 +663,7 @@ def long_context(model: MLAModel | StreamedModel, cfg: CalibrateConfig, sources:
     ids = token_samples(
         model.tokenizer, sources.test, cfg.long_test_samples, cfg.long_seq_len, cfg.seed + 3, model.cfg.eos_id
     )
-    batch = auto_batch_size(model.device, sample_bytes(model, cfg.long_seq_len), None, default=min(cfg.batch_size, 4))
-    evaluator = evaluator_class(model)(model, ids, batch)
+    evaluator = evaluator_class(model)(model, ids, long_batch(model, cfg, cfg.long_seq_len))
     result = verify(model, evaluator, plan)
     out = {"seq_len": int(ids.shape[1]), "result": result.as_dict(), "holds": result.loss <= plan.budget, "fixes": []}
     if not out["holds"]:
@@ -565,6 +674,21 @@ def long_context(model: MLAModel | StreamedModel, cfg: CalibrateConfig, sources:
                 {"fix": name, "bits_per_value": round(bits, 4), "loss": r.loss, "holds": r.loss <= plan.budget}
             )
     return out
+
+
+def off_distribution(model: MLAModel | StreamedModel, cfg: CalibrateConfig, sources: Sources, plan: Plan) -> dict:
+    """Stage shift: `plan` on the off-distribution text (`sources.shift`), `shift_samples` windows of `seq_len`
+    and `shift_long_samples` of `long_seq_len` tokens, each [n, T]; `holds` when every length is within
+    `plan.budget`. Measured, reported, never used to choose (like the test split)."""
+    runs = []
+    for n, seq_len, seed in ((cfg.shift_samples, cfg.seq_len, 4), (cfg.shift_long_samples, cfg.long_seq_len, 5)):
+        if not n or not seq_len:
+            continue
+        ids = token_samples(model.tokenizer, sources.shift, n, seq_len, cfg.seed + seed, model.cfg.eos_id)
+        result = verify(model, evaluator_class(model)(model, ids, long_batch(model, cfg, seq_len)), plan)
+        runs.append({"seq_len": int(ids.shape[1]), "result": result.as_dict()})
+    holds = all(r["result"]["loss"] <= plan.budget for r in runs)
+    return {"data": sources.shift_name, "runs": runs, "holds": holds}
 
 
 def long_context_fixes(plan: Plan, window: int) -> list[tuple[str, Plan, int]]:
@@ -588,6 +712,7 @@ def calibrate(
     quiet: bool = False,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    shift_data: str | Path | None = None,
 ) -> tuple[Plan, dict]:
     """Run the whole pipeline (observe → measure → search → fallback → narrow → int8 → report); returns
     the plan and a report dict (timings, per-split metrics, peak RSS and peak GPU memory).
@@ -603,11 +728,16 @@ def calibrate(
     t0 = time.perf_counter()
     if isinstance(model, StreamedModel) and cfg.int8_matmul:
         raise MLAQuantError("calibrate: int8_matmul is not supported with --stream (load the model whole)")
-    sources, tok, eos = Sources.resolve(data, val_data, test_data), model.tokenizer, model.cfg.eos_id
+    sources, tok, eos = Sources.resolve(data, val_data, test_data, shift_data), model.tokenizer, model.cfg.eos_id
     cal = token_samples(tok, sources.calibration, cfg.samples, cfg.seq_len, cfg.seed, eos)
     val = token_samples(tok, sources.validation, cfg.val_samples, cfg.seq_len, cfg.seed + 1, eos)
-    with tqdm(total=progress_total(model, cfg, cal, val), desc="calibrate", disable=quiet, file=sys.stderr) as bar:
-        measured = measure(model, val, observe_variants(model, cal, cfg, bar), cfg, bar)
+    second = None
+    if cfg.shift_val_samples and cfg.long_seq_len:
+        n, length = cfg.shift_val_samples, cfg.long_seq_len
+        second = token_samples(tok, sources.shift_validation, n, length, cfg.seed + 6, eos)
+    total = progress_total(model, cfg, cal, val, second)
+    with tqdm(total=total, desc="calibrate", disable=quiet, file=sys.stderr) as bar:
+        measured = measure(model, val, observe_variants(model, cal, cfg, bar), cfg, bar, second)
     verified = fall_back(model, measured, search(measured.table, cfg.headroom * cfg.budget), cfg)
     verified = int8_projections(model, measured, narrow(model, measured, verified, cfg), cfg)
     return build_report(model, cfg, sources, (cal, val), measured, verified, t0)
@@ -642,6 +772,11 @@ def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
             )
     if "long_context" in report:
         out += "\n" + long_context_lines(report["long_context"], plan.budget)
+    if "shift" in report:
+        out += "\n" + shift_line(report["shift"], plan.budget)
+    if "shift_validation" in report:
+        sv = report["shift_validation"]
+        out += f"\n  (search also held third-party validation @{sv['seq_len']}: loss {sv['loss']:+.3%}; {sv['data']})"
     out += (
         f"\nbudget {plan.budget:.2%}; {plan.bits_per_value(d_c, d_r):.2f} bits/value; "
         f"{len(plan.fallbacks)} fallback(s); {report['seconds']} s, peak RSS {report['peak_rss_mib']} MiB"
@@ -664,11 +799,21 @@ def long_context_lines(long: dict, budget: float) -> str:
     return out
 
 
+def shift_line(shift: dict, budget: float) -> str:
+    """The summary's off-distribution line: loss per length, the verdict and what text it was."""
+    parts = ", ".join(f"@{r['seq_len']} {r['result']['loss']:+.3%}" for r in shift["runs"])
+    verdict = "within" if shift["holds"] else "OVER"
+    return f"   shifted: loss {parts} ({verdict} budget {budget:.2%}); text: {shift['data']}"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--data", default=None, help="calibration text: file, directory or JSONL (default: bundled)")
     p.add_argument("--val-data", default=None, help="validation text for the plan search (default: bundled)")
     p.add_argument("--test-data", default=None, help="held-out text for the reported numbers (default: bundled)")
+    p.add_argument(
+        "--shift-data", default=None, help="off-distribution text, reported only (default: installed torch's Python)"
+    )
     p.add_argument("--config", default=None, help="calibration YAML (default: configs/calibrate.yaml)")
     p.add_argument("--samples", type=int, default=None, help="calibration samples (default 512)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 512)")
@@ -709,7 +854,7 @@ def json_summary(plan: Plan, model: MLAModel | StreamedModel, report: dict, out:
         "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
         "bytes_per_token": plan.bytes_per_token(d_c, d_r),
         "layers": layers,
-        **{split: report[split] for split in ("validation", "test", "long_context") if split in report},
+        **{split: report[split] for split in ("validation", "test", "long_context", "shift") if split in report},
         "fallbacks": len(plan.fallbacks),
         "seconds": report["seconds"],
         "peak_rss_mib": report["peak_rss_mib"],
@@ -735,7 +880,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(CalibrateConfig, {**to_dict(base), **overrides}, "calibrate.yaml")
     device, dtype = device_from_args(args)
     model = StreamedModel(args.model, dtype, device=device) if args.stream else load_model(args.model, device, dtype)
-    plan, report = calibrate(model, cfg, args.data, args.val_data, args.test_data, quiet=args.quiet)
+    plan, report = calibrate(
+        model, cfg, args.data, args.val_data, args.test_data, quiet=args.quiet, shift_data=args.shift_data
+    )
     out = plan.save(args.out)
     human = sys.stderr if args.json else sys.stdout
     if not (args.json and args.quiet):

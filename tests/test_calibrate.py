@@ -17,7 +17,8 @@ from mlaquant.plan import Plan
 from mlaquant.samples import token_samples
 
 SMALL = dict(
-    samples=16, seq_len=128, val_samples=8, test_samples=4, batch_size=8, long_seq_len=256, long_test_samples=2
+    samples=16, seq_len=128, val_samples=8, test_samples=4, batch_size=8, long_seq_len=256, long_test_samples=2,
+    shift_samples=2, shift_long_samples=1, shift_val_samples=2,
 )
 
 
@@ -58,16 +59,23 @@ def test_tighter_budget_gives_wider_plan(bundled, plan_1pct):
 
 
 def test_outlier_layer_falls_back_while_others_stay_narrow(bundled):
+    """8 outlier channels in one layer's c_kv, the model unchanged: the norm scales them up 20x and kv_b_proj's
+    columns scale them back down (W·c = (W/20)·(20c)), so only the cache sees them — INT4 steps sized by them
+    drown the other channels, and that layer alone must leave INT4 c_kv. (Scaling the norm alone changes the
+    model: with every-level codes its INT4 cache then measured better than its own FP16 one.)"""
     layer = 2
-    norm = bundled.layers[layer].self_attn.kv_a_layernorm.weight
-    original = norm.detach().clone()
+    attn = bundled.layers[layer].self_attn
+    norm, up = attn.kv_a_layernorm.weight, attn.kv_b_proj.weight
+    original = norm.detach().clone(), up.detach().clone()
     with torch.no_grad():
-        norm[:8] *= 20.0  # 8 outlier channels in this layer's c_kv: INT4 steps sized by them drown the rest
+        norm[:8] *= 20.0
+        up[:, :8] /= 20.0
     try:
         plan, _ = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.01), quiet=True)
     finally:
         with torch.no_grad():
-            norm.copy_(original)
+            norm.copy_(original[0])
+            up.copy_(original[1])
     assert not plan.layers[layer].ckv.startswith("int4")
     assert all(lp.ckv.startswith("int4") for i, lp in enumerate(plan.layers) if i != layer)
 
@@ -133,7 +141,7 @@ def test_interrupted_save_leaves_no_partial_directory(plan_1pct, tmp_path, monke
 
 
 def test_int8_matmul_enters_the_search_and_falls_back(bundled):
-    from mlaquant.calib.calibrate import add_int8_matmul, int8_matmul_costs
+    from mlaquant.calib.calibrate import Validation, add_int8_matmul, int8_matmul_costs
     from mlaquant.eval import Evaluator
 
     # an INT8 cache leaves most of the budget to the projections
@@ -147,7 +155,7 @@ def test_int8_matmul_enters_the_search_and_falls_back(bundled):
     costs = int8_matmul_costs(bundled, ev)
     fallbacks = []
     plan = Plan.uniform("fp16", n)
-    add_int8_matmul(plan, bundled, ev, costs, -1.0, fallbacks)
+    add_int8_matmul(plan, bundled, Validation(ev), costs, -1.0, fallbacks)
     assert not any(lp.int8_matmul for lp in plan.layers)
     assert [f["layer"] for f in fallbacks] == sorted(range(n), key=costs.__getitem__, reverse=True)
     assert all(f["from"] == "int8_matmul" for f in fallbacks)
@@ -185,9 +193,45 @@ def test_long_context_check_reports_buckets_and_measures_fixes_when_over_budget(
     assert [b["positions"] for b in long["result"]["by_position"]] == [[0, 255]]
     assert long["holds"] == (long["result"]["loss"] <= 0.01)
     assert plan.metrics["long_context"] == long
-    tight, tight_report = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.0001), quiet=True)
+    # without the second validation domain (long third-party windows), which would make the search hold here
+    no_second = {**SMALL, "shift_val_samples": 0}
+    tight, tight_report = calibrate(bundled, CalibrateConfig(**no_second, budget=0.00001), quiet=True)
     over = tight_report["long_context"]
-    assert not over["holds"]  # a 0.01 % budget breaks at 256 tokens, so the fixes must be measured
+    assert not over["holds"]  # a 0.001 % budget breaks at 256 tokens, so the fixes must be measured
     fixes = {f["fix"]: f for f in over["fixes"]}
     assert set(fixes) == {"residual FP16 window of 128 rows (+w128)", "k_pe int8-row in every INT4 layer"}
     assert fixes["residual FP16 window of 128 rows (+w128)"]["loss"] < over["result"]["loss"]
+
+
+def test_off_distribution_text_is_reported_and_the_second_domain_enters_the_search(bundled, plan_1pct, tmp_path):
+    """The plan on third-party Python at both lengths (reported, never chosen on), and the second validation
+    domain (other third-party files at long_seq_len) measured for every candidate and held by the plan."""
+    from mlaquant.calib.data import SHIFT_PACKAGES, shift_description, shift_source
+
+    plan, report = plan_1pct
+    shift = report["shift"]
+    assert shift["data"] == shift_description() and [r["seq_len"] for r in shift["runs"]] == [128, 256]
+    assert [r["result"]["tokens"] for r in shift["runs"]] == [2 * 127, 255]
+    assert shift["holds"] == all(r["result"]["loss"] <= 0.01 for r in shift["runs"])
+    assert plan.metrics["shift"] == shift and plan.settings["shift_data"] == shift_description()
+    second = report["shift_validation"]
+    assert second["seq_len"] == 256 and second["loss"] <= 0.6 * 0.01  # held by the search, like validation
+    listed = plan.save(tmp_path / "p") and Plan.load(tmp_path / "p").metrics["candidates"]
+    assert all("third-party" in line for lines in listed.values() for line in lines if not line.startswith("fp16"))
+    # the two domains are disjoint files of installed torch
+    assert not set(SHIFT_PACKAGES["validation"]) & set(SHIFT_PACKAGES["test"])
+    assert {p.name for p in shift_source("test")} == {"nn", "optim", "fx"}
+
+
+def test_search_weighs_the_worse_domain():
+    """A candidate cheap on the validation split but costly on the second domain is upgraded: the search,
+    the fallback order and the narrowing ratios read `Choice.worst`."""
+    from mlaquant.calib.calibrate import Choice, search, wider
+
+    row = [Choice("int4", False, False, False, 84, 0.001, 0.009), Choice("int8", False, False, False, 164, 0.0005,
+                                                                         0.0006), Choice("fp16/fp16", False, False,
+                                                                                         False, 320, 0.0, 0.0)]
+    assert row[0].worst == 0.009 and Choice("x", False, False, False, 1, 0.002).worst == 0.002
+    assert search([row], target=0.006) == [1]  # 0.001 alone would pass; the second domain's 0.009 does not
+    assert search([row], target=0.01) == [0]
+    assert wider(row, 0) == 1

@@ -106,7 +106,7 @@ def test_moving_a_model_to_bf16_keeps_rope_fp32(tiny_model):
 
 
 SMALL = dict(samples=16, seq_len=128, val_samples=8, test_samples=8, batch_size=8, narrow_trials=2,
-             long_test_samples=0)
+             long_test_samples=0, shift_samples=0, shift_long_samples=0, shift_val_samples=0)
 
 
 def test_bf16_plan_within_budget_and_decodes_in_fp32(models, tmp_path):
