@@ -10,7 +10,9 @@ was chosen on):
     window      `window_codecs` with a residual FP16 window of `window` tokens (`<codec>+w<R>`)
     calibrated  plans from `--plan DIR ...`, or calibrated here at each of `budgets` (bundled
                 calibration / validation splits, sizes from `calibrate:` in configs/sweep.yaml)
-    peer        `mlaquant.peers`: transformers' default cache, its QuantizedCache, bitsandbytes NF4
+    engine      `engines`: other engines' cache settings as mlaquant codecs (`mlaquant.engines.FORMATS`,
+                values bit-exact with each engine's quantizer)
+    peer        `mlaquant.peers`: transformers' default cache, its QuantizedCache, bitsandbytes NF4, llama.cpp
 
 Each row reports bytes/token/layer, bits/value, cache MiB at each context, compression against the
 FP16 latent and against MHA's per-head K/V, Δppl, KL, top-1 (`mlaquant.eval`, against the FP16
@@ -46,12 +48,14 @@ from mlaquant.codecs import CodecError
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.device import add_device_arguments, auto_batch_size
 from mlaquant.device import from_args as device_from_args
+from mlaquant.engines import FORMATS
 from mlaquant.errors import MLAQuantError, PlanError
 from mlaquant.eval import Evaluator, sample_bytes
 from mlaquant.model import MLAModel
 from mlaquant.peers import PeerSpec, PeerUnavailable, torch_threads
 from mlaquant.plan import Plan
 from mlaquant.samples import token_samples
+from mlaquant.versions import library_versions, package_version
 
 STATE_FILE = ".sweep-state.json"
 # what a peer library may raise on shapes or settings it does not support: the row says so and the
@@ -92,7 +96,10 @@ class SweepConfig:
     seq_len: int = 2048
     seed: int = 0
     batch_size: int | None = None  # samples per evaluation batch; None: from free GPU memory, 8 off CUDA
-    peers: tuple = ("transformers", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2", "bnb-nf4")
+    engines: tuple = ("vllm fp8", "vllm fp8_ds_mla", "vllm nvfp4_ds_mla", "sglang nvfp4", "llama.cpp q8_0",
+                      "llama.cpp q4_0")
+    peers: tuple = ("transformers", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2", "bnb-nf4", "llama.cpp-f16",
+                    "llama.cpp-q8_0", "llama.cpp-q4_0")
     peer_group_size: int = 64
     peer_residual_length: int = 128
     peer_batch_size: int = 16
@@ -122,6 +129,9 @@ class SweepConfig:
             )
         for name in self.peers:
             PeerSpec.parse(name)
+        unknown = sorted(set(self.engines) - {f.name for f in FORMATS})
+        if unknown:
+            raise ConfigError(f"sweep: engines {unknown} unknown (known: {', '.join(f.name for f in FORMATS)})")
         for name in (*self.codecs, *self.window_codecs):
             Plan.uniform(name, 1)
         calibrate_config(self, self.target_budget)  # unknown or bad `calibrate:` keys fail here, by name
@@ -136,10 +146,11 @@ def load_sweep_config(source=None, overrides: dict | None = None) -> SweepConfig
 
 
 def calibrate_config(cfg: SweepConfig, budget: float) -> CalibrateConfig:
-    """configs/calibrate.yaml + the sweep's `calibrate:` overrides + `budget`; no test split (the sweep
-    measures the test split itself)."""
+    """configs/calibrate.yaml + the sweep's `calibrate:` overrides + `budget`; no test split or off-distribution
+    report (the sweep measures its own text)."""
     base = to_dict(load_config(CalibrateConfig, None, "calibrate.yaml"))
-    merged = {**base, **cfg.calibrate, "budget": budget, "test_samples": 0}
+    merged = {**base, **cfg.calibrate, "budget": budget, "test_samples": 0, "shift_samples": 0,
+              "shift_long_samples": 0}
     return load_config(CalibrateConfig, merged, "calibrate.yaml")
 
 
@@ -241,7 +252,13 @@ class SweepRun:
             return self.measure_peer(PeerSpec.parse(row.spec["peer"]))
         if row.kind == "calibrated":
             return self.measure_plan(self.plans[row.id])
-        return self.measure_plan(Plan.uniform(row.spec["codec"], len(self.model.layers)))
+        plan = Plan.uniform(row.spec["codec"], len(self.model.layers))  # ours, window, engine
+        if row.kind == "engine":
+            try:
+                plan.layer_codecs(self.d_c, self.d_r)
+            except CodecError as e:  # e.g. a 128-value tile on a narrower c_kv: the engine could not store it
+                raise PeerUnavailable(f"does not fit this model ({e})") from e
+        return self.measure_plan(plan)
 
     def measure_plan(self, plan: Plan) -> dict:
         codecs = plan.layer_codecs(self.d_c, self.d_r)
@@ -277,6 +294,8 @@ class SweepRun:
 
         if spec.name == "bnb-nf4":
             return peers.measure_nf4(self.evaluator, self.cfg.nf4_blocksize)
+        if spec.backend == "llama.cpp":
+            return peers.measure_llama_cpp(self.evaluator, spec.name.split("-", 1)[1])
         cfg = self.cfg
         if self._hf is None:
             self._hf = peers.TransformersPeers(
@@ -299,13 +318,18 @@ def row_specs(cfg: SweepConfig, plans: dict[str, Plan], plan_digests: dict[str, 
         for c in cfg.window_codecs:
             name = f"{c}+w{cfg.window}"
             rows.append(RowSpec(f"window:{name}", "window", name, {"codec": name}))
+    formats = {f.name: f for f in FORMATS}
+    rows += [RowSpec(f"engine:{name}", "engine", f"{name} ({formats[name].setting})", {"codec": formats[name].codec})
+             for name in cfg.engines]
     for pid, plan in plans.items():
         budget = f"{plan.budget:.1%} plan" if plan.budget is not None else "plan"
         label = f"calibrated {budget}" if pid.startswith("plan:budget-") else f"{pid[5:]} ({budget})"
         rows.append(RowSpec(pid, "calibrated", label, {"plan": plan_digests[pid], "window": plan.window}))
     for name in cfg.peers:
         spec = {"peer": name}
-        if name != "bnb-nf4":
+        if name.startswith("llama.cpp-"):
+            spec |= {"llama_cpp": package_version("llama-cpp-python")}
+        elif name != "bnb-nf4":
             spec |= {
                 "group": cfg.peer_group_size,
                 "residual": cfg.peer_residual_length,
@@ -470,7 +494,8 @@ def sweep(
             "threads": torch.get_num_threads(),
             "decode_threads": cfg.decode_threads or torch.get_num_threads(),
         },
-        "versions": _versions(),
+        "versions": library_versions("transformers", "bitsandbytes", "optimum-quanto", "hqq", "tokenizers",
+                                      "llama-cpp-python"),
         "model": {"path": str(model.source), "fingerprint": fingerprint, "dims": dims},
         "tokens": {"samples": int(samples.shape[0]), "seq_len": int(samples.shape[1])},
         "reference": reference,
@@ -505,22 +530,6 @@ def _measure(run: SweepRun, spec: RowSpec) -> dict:
         **numbers,
         "seconds": round(time.perf_counter() - t0, 2),
     }
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {
-        "mlaquant": mlaquant.__version__,
-        "torch": str(torch.__version__),
-        "python": sys.version.split()[0],
-    }
-    for pkg in ("transformers", "bitsandbytes", "optimum-quanto", "hqq", "tokenizers"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ OOM_SETTINGS = {
     "calibrate": "--batch-size (or --seq-len), or use --stream",
     "sweep": "--samples / --seq-len (batch_size in the sweep config)",
     "export": "--samples / --seq-len",
+    "engines": "--tokens / --contexts",
 }
 
 # subcommand -> (module, one-line help)
@@ -43,6 +44,7 @@ SUBCOMMANDS = {
     "calibrate": ("mlaquant.calib.calibrate", "calibrate a per-layer cache plan under an accuracy budget"),
     "sweep": ("mlaquant.calib.sweep", "accuracy-vs-memory report over cache codecs and plans"),
     "export": ("mlaquant.export", "export a plan for vLLM / SGLang"),
+    "engines": ("mlaquant.calib.engines", "what each engine cache setting costs on a model"),
 }
 
 

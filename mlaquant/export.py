@@ -1,47 +1,30 @@
-"""`mlaquant export`: a calibrated plan → a model directory vLLM / SGLang serve with an FP8 latent cache.
+"""`mlaquant export --engine vllm|sglang`: a calibrated plan → a model directory, the serving command, and the
+loss that command will give, measured before anything is written.
 
-What the engines can store: vLLM's MLA cache in `fp8` is one e4m3 row [c_kv | k_pe] per token and
-layer (576 B for DeepSeek), quantized with ONE per-layer scale `k_scale` (x / k_scale on write, ×
-k_scale on read; `v_scale` is loaded but V is a view of c_kv). So a plan exports exactly when every
-layer is static `fp8` (mlaquant's codec with the same semantics, `mlaquant.codecs`). The exported `k_scale`
-is absmax over c_kv AND k_pe of the layer's calibrated range / 448 — its clip range when the plan
-clips the layer (then it is exactly the scale the plan's fp8 codec used), else the observed range
-`range_lo/range_hi` of the latent itself (not of expanded K/V; an unclipped fp8 layer was measured
-at scale 1.0 by calibration, so the export measurement below is what covers its exported scale).
+What the engines apply (`mlaquant.engines`, established by executing their loader code): no checkpoint KV
+scale reaches vLLM 0.33.0's MLA attention under any name or quant config, and SGLang 0.5.23's default MLA
+backends ignore a loaded scale (fa3, flashinfer) or misapply it (trtllm_mla, flashmla, triton's prefill rows).
+Both therefore run an fp8 MLA cache at k_scale 1.0 — mlaquant's `e4m3` codec, both parts — and an export
+writes no scale tensors (a non-unit scale would corrupt SGLang's scores where it is misapplied) and leaves
+config.json as it is.
 
-Anything else — INT8/INT4 or grouped-fp8 or FP16 layers, a residual FP16 window — the engines cannot
-represent. It is refused with an error naming the layers, unless `--map-to-fp8`: then those layers
-become static fp8 with the k_scale above. Layers caching a Hadamard-rotated latent are always
-refused: the engine caches the unrotated latent, whose range the plan does not hold.
+Per layer of the plan (`engine_layers`):
+    fp8      e4m3/e4m3 layers as they are; static `fp8/fp8` layers with the calibrated scale are exported at
+             k_scale 1.0 (mapped: the scale cannot reach the engine); other codecs and rotated layers only
+             with `--map-to-fp8` (mapped), else refused by name
+    kept     float layers (fp16/bf16/fp32): the model's own dtype in the engine — vLLM's
+             `--kv-cache-dtype-skip-layers` (measured as the plan stores them); SGLang has no per-layer KV
+             dtype, so a plan with kept layers exports for SGLang only with `--force` (every layer fp8)
+A plan with no fp8-able layer is refused (serve without --kv-cache-dtype).
 
-Before anything is written, the exported cache is measured here: the test data the plan recorded
-(`settings.test_data`, or `--test-data`) through the engine-equivalent codecs (and, for comparison,
-at scale 1.0 — what an engine without scales does), streamed one layer at a time. An export over
-the plan's budget is refused unless `--force`.
+Before writing, the engine's configuration is measured on the plan's test data (`settings.test_data`, or
+`--test-data`), streamed one layer at a time; over the plan's budget it is refused unless `--force`.
 
-Output (written atomically to a temp dir, then renamed): every top-level file of the model directory
-(safetensors hard-linked, or symlinked across file systems, or copied with `--copy`), plus
-
-    kv_cache_scales.safetensors   per layer i, float32 [1], all four equal (k = v):
-                                    model.layers.{i}.self_attn.k_proj.k_scale / v_proj.v_scale (read by the engines)
-                                    model.layers.{i}.self_attn.k_scale / v_scale (compressed-tensors' own names)
-    model.safetensors.index.json  the source index + the scale tensors
-    config.json                   + quantization_config.kv_cache_scheme (compressed-tensors):
-                                  {num_bits: 8, type: float, strategy: tensor, symmetric, static}
-    mlaquant_export.json          per-layer scales and mapping, measured losses, engine notes
-
-Scale names, read from the engines' DeepSeek loaders (ENGINE_SCALE_NAMES; versions in
-ENGINE_VERSIONS). vLLM: `DeepseekV2Model.load_weights` (vllm/model_executor/models/deepseek_v2.py)
-passes kv-scale names to `maybe_remap_kv_scale_name` (vllm/model_executor/model_loader/weight_utils.py);
-the MLA layer's parameters are `self_attn.mla_attn.mla_attn.{k,v}_scale`, reached only from the exact
-name or from the ModelOpt form `self_attn.{k,v}_proj.{k,v}_scale`; `self_attn.k_scale` is remapped to
-`self_attn.attn.k_scale`, which MLA does not have: it is dropped with a warning. SGLang:
-`DeepseekV2WeightLoaderMixin.do_load_weights` (sglang/srt/models/deepseek_common/deepseek_weight_loader.py)
-rewrites `{k,v}_proj` to `attn_mqa` in a scale name it does not know, so `self_attn.k_proj.k_scale` →
-`self_attn.attn_mqa.k_scale` (the MLA RadixAttention) and `self_attn.k_scale` is dropped ("not found in
-params_dict"). Hence the `{k,v}_proj` names; the compressed-tensors names stay for tools that read that
-format. Interleaved-RoPE checkpoints: mlaquant caches k_pe de-interleaved ([even | odd] channels); a
-per-layer scalar scale does not depend on channel order.
+Output (atomic: a temp directory renamed into place): every top-level file of the model directory (weights
+hard-linked, or symlinked across file systems, or copied with `--copy`), plus
+    mlaquant_export.json   engine and version, per-layer mapping, skip layers, the serving command, measured
+                           losses (the command's configuration; every layer fp8), what the engine does with scales
+    serve.sh               the serving command for this directory
 """
 
 from __future__ import annotations
@@ -53,86 +36,63 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from mlaquant.atomic import atomic_directory
-from mlaquant.codecs import LayerCodec, fp8_static_scale
 from mlaquant.device import add_device_arguments, auto_batch_size
 from mlaquant.device import from_args as device_from_args
-from mlaquant.errors import CheckpointError, MLAQuantError, PlanError
-from mlaquant.plan import Plan
+from mlaquant.engines import ENGINE_VERSIONS, SGLANG_BACKENDS, SGLANG_DEFAULTS, sglang_serve_command, vllm_serve_command
+from mlaquant.errors import MLAQuantError, PlanError
+from mlaquant.plan import LayerPlan, Plan
 
-SCALES_FILE = "kv_cache_scales.safetensors"
 REPORT_FILE = "mlaquant_export.json"
-FORMATS = ("compressed-tensors",)
-KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
-_REWRITTEN = ("config.json", "model.safetensors.index.json", SCALES_FILE, REPORT_FILE)
-
-
-# the engine releases whose DeepSeek weight loaders the names below were read from
-ENGINE_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23"}
-# checkpoint name of a layer's scale → the engines that load it onto MLA attention
-ENGINE_SCALE_NAMES = {
-    "model.layers.{i}.self_attn.k_proj.k_scale": ("vllm", "sglang"),
-    "model.layers.{i}.self_attn.v_proj.v_scale": ("vllm", "sglang"),
-    "model.layers.{i}.self_attn.k_scale": (),  # compressed-tensors' name; both engines drop it for MLA
-    "model.layers.{i}.self_attn.v_scale": (),
-}
-SCALE_SUFFIXES = tuple(n.split("{i}.")[1] for n in ENGINE_SCALE_NAMES) + ("self_attn.kv_scale",)
-
-
-def scale_names(i: int) -> list[str]:
-    """Checkpoint names of layer i's KV-cache scales (all hold the same value: V is a view of c_kv)."""
-    return [n.format(i=i) for n in ENGINE_SCALE_NAMES]
+SERVE_FILE = "serve.sh"
+ENGINE_FP8 = "e4m3/e4m3"  # what both engines store at k_scale 1.0 (`mlaquant.engines.FORMATS`)
 
 
 @dataclasses.dataclass
 class LayerExport:
-    """How one layer's cache leaves mlaquant."""
+    """How one layer's cache leaves mlaquant: `engine` 'fp8' or 'kept' (the model dtype)."""
 
     layer: int
     plan_codec: str
-    k_scale: float
-    mapped: bool  # False: the plan's own codec, exactly; True: converted to static fp8
-    source: str  # where k_scale comes from
+    engine: str
+    mapped: bool  # True: not the plan's own cache (another codec, scale or rotation); measured as exported
+    why: str
 
 
-def engine_scales(plan: Plan, d_c: int, d_r: int, map_to_fp8: bool) -> list[LayerExport]:
-    """Per layer, the static-fp8 scale the engine will use; PlanError for what cannot be exported."""
-    rotated = [i for i, lp in enumerate(plan.layers) if lp.rotate or lp.rotate_rope]
-    if rotated:
-        raise PlanError(
-            f"layers {_layer_list(rotated)} cache a Hadamard-rotated latent, which vLLM/SGLang cannot "
-            "represent; re-calibrate with `try_rotation: false` to export"
-        )
-    out, unsupported = [], []
+def engine_layers(plan: Plan, engine: str, map_to_fp8: bool, force: bool) -> list[LayerExport]:
+    """Per layer, what `engine` will cache (module docstring); PlanError for what cannot be exported."""
+    out, refused = [], []
     for i, lp in enumerate(plan.layers):
-        kind = "clip" if lp.clip else "range"
-        lo, hi = plan.tensors.get(f"layer{i}.{kind}_lo"), plan.tensors.get(f"layer{i}.{kind}_hi")
-        for t in (lo, hi):
-            if t is not None and tuple(t.shape) != (d_c + d_r,):
-                raise PlanError(f"plan tensors of layer {i}: {t.shape[0]} channels, model rows {d_c + d_r}")
-        codec = plan.layer_codec(i, d_c, d_r)
-        exact = codec.ckv.spec.is_static_fp8 and codec.kpe.spec.is_static_fp8 and not plan.window
-        if not exact:
-            unsupported.append(i)
-        if lo is not None:
-            source = "calibrated clip range" if lp.clip else "observed calibration range"
-            out.append(LayerExport(i, lp.codec_name, fp8_static_scale(lo, hi), not exact, source))
-        elif exact:  # a uniform "fp8" plan: nothing calibrated, the engines' default
-            out.append(LayerExport(i, lp.codec_name, codec.ckv.fp8_scale, False, "uncalibrated (1.0)"))
+        rotated = lp.rotate or lp.rotate_rope
+        kinds = {n.split("-")[0] for n in (lp.ckv, lp.kpe)}
+        if kinds <= {"fp16", "bf16", "fp32"} and not rotated:
+            out.append(LayerExport(i, lp.codec_name, "kept", False, "float cache in the plan"))
+        elif lp.codec_name == ENGINE_FP8 and not rotated:
+            out.append(LayerExport(i, lp.codec_name, "fp8", False, "e4m3 at k_scale 1.0, as planned"))
+        elif lp.codec_name == "fp8/fp8" and not rotated:
+            out.append(LayerExport(i, lp.codec_name, "fp8", True, "the calibrated k_scale cannot reach the engine"))
         elif map_to_fp8:
-            raise PlanError(f"layer {i} ({lp.codec_name}) has no calibrated range to map to fp8: calibrate")
-    if unsupported and not map_to_fp8:
-        codecs = sorted({plan.layers[i].codec_name for i in unsupported})
-        window = f" and a residual FP16 window of {plan.window} tokens" if plan.window else ""
-        raise PlanError(
-            f"layers {_layer_list(unsupported)} use {', '.join(codecs)}{window}; vLLM/SGLang store an MLA "
-            "cache only as FP8 with one scale per layer — pass --map-to-fp8 to export them as fp8 "
-            "(loss measured)"
-        )
+            why = "rotated latent" if rotated else f"{lp.codec_name} is not an engine cache"
+            out.append(LayerExport(i, lp.codec_name, "fp8", True, f"{why}: mapped to fp8 (--map-to-fp8)"))
+        else:
+            refused.append(i)
+    if refused:
+        names = sorted({plan.layers[i].codec_name + (" (rotated)" if plan.layers[i].rotate or plan.layers[i].rotate_rope
+                                                      else "") for i in refused})
+        raise PlanError(f"layers {_layer_list(refused)} use {', '.join(names)}; {engine} caches an MLA latent only "
+                        "as fp8 (k_scale 1.0) or in the model dtype — pass --map-to-fp8 to export them as fp8 "
+                        "(loss measured)")
+    if not any(lx.engine == "fp8" for lx in out):
+        raise PlanError("the plan keeps every layer in a float cache: nothing to export as fp8 (serve without "
+                        "--kv-cache-dtype)")
+    kept = [lx.layer for lx in out if lx.engine == "kept"]
+    if engine == "sglang" and kept:
+        if not force:
+            raise PlanError(f"layers {_layer_list(kept)} stay in a float cache, but SGLang {ENGINE_VERSIONS['sglang']} "
+                            "has no per-layer KV dtype; --force exports every layer as fp8 (loss measured), or "
+                            "use --engine vllm (--kv-cache-dtype-skip-layers)")
+        out = [dataclasses.replace(lx, engine="fp8", mapped=True, why="SGLang: every layer fp8 (--force)")
+               if lx.engine == "kept" else lx for lx in out]
     return out
 
 
@@ -140,43 +100,12 @@ def _layer_list(layers: list[int]) -> str:
     return ", ".join(map(str, layers[:12])) + (f" (+{len(layers) - 12} more)" if len(layers) > 12 else "")
 
 
-def engine_codecs(scales: list[float], d_c: int, d_r: int) -> list[LayerCodec]:
-    """What the engine does per layer: static e4m3 over [c_kv | k_pe] with one scale."""
-    return [LayerCodec.from_names("fp8", "fp8", d_c, d_r, fp8_scale=s) for s in scales]
-
-
-def quantization_config(existing: dict | None) -> tuple[dict, str]:
-    """config.json's quantization_config with the kv_cache_scheme, and a note on what was done."""
-    if existing is None:
-        config = {
-            "quant_method": "compressed-tensors",
-            "format": "dense",
-            "quantization_status": "compressed",
-            "config_groups": {},
-            "ignore": [],
-            "kv_cache_scheme": dict(KV_CACHE_SCHEME),
-        }
-        return config, "added a compressed-tensors quantization_config holding only the kv_cache_scheme"
-    method = existing.get("quant_method")
-    if method == "compressed-tensors":
-        return {**existing, "kv_cache_scheme": dict(KV_CACHE_SCHEME)}, "set kv_cache_scheme in its config"
-    # e.g. official DeepSeek-V3 block-FP8 weights ("fp8"): that config must stay, the scales still load
-    note = (
-        f"kept quantization_config (quant_method {method!r}); engines read the k_scale/v_scale tensors "
-        "through that method's KV-cache scales; no kv_cache_scheme written"
-    )
-    return existing, note
-
-
-def _weight_map(model_dir: Path) -> tuple[dict[str, str], int]:
-    """tensor → file, and the index's total_size (the file size for a single-file checkpoint)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        doc = json.loads(index.read_text())
-        return dict(doc["weight_map"]), int(doc.get("metadata", {}).get("total_size", 0))
-    single = model_dir / "model.safetensors"
-    with safe_open(single, "pt") as f:
-        return dict.fromkeys(f.keys(), "model.safetensors"), single.stat().st_size
+def engine_plan(plan: Plan, layers: list[LayerExport]) -> Plan:
+    """The cache the engine will hold: e4m3/e4m3 where `layers` say fp8, the plan's own float codec where kept;
+    unrotated, unclipped, no window (what `measure` evaluates)."""
+    lps = [LayerPlan(*ENGINE_FP8.split("/")) if lx.engine == "fp8" else LayerPlan(lp.ckv, lp.kpe)
+           for lx, lp in zip(layers, plan.layers)]
+    return Plan(layers=lps)
 
 
 def _place(src: Path, dst: Path, copy: bool) -> None:
@@ -190,47 +119,23 @@ def _place(src: Path, dst: Path, copy: bool) -> None:
         dst.symlink_to(src.resolve())
 
 
-def source_weight_map(model_dir: Path) -> tuple[dict[str, str], int]:
-    """The checkpoint's tensor → file map and total size; refuses one that already has KV-cache scales."""
-    weight_map, total = _weight_map(model_dir)
-    present = [n for n in weight_map if n.endswith(SCALE_SUFFIXES)]
-    if present:
-        raise CheckpointError(
-            f"{model_dir}: already carries KV-cache scales ({present[0]} in {weight_map[present[0]]}); "
-            "export from the checkpoint without them"
-        )
-    return weight_map, total
-
-
-def write_export(
-    model_dir: Path, out: Path, layers: list[LayerExport], report: dict, copy: bool = False
-) -> tuple[Path, str]:
-    """Write the exported model directory atomically; returns (out, note on quantization_config)."""
-    weight_map, total = source_weight_map(model_dir)
-    raw = json.loads((model_dir / "config.json").read_text())
-    raw["quantization_config"], note = quantization_config(raw.get("quantization_config"))
+def write_export(model_dir: Path, out: Path, report: dict, copy: bool = False) -> Path:
+    """Write the exported model directory atomically (module docstring); returns `out`."""
     with atomic_directory(out) as tmp:
         for src in sorted(model_dir.iterdir()):
-            if src.is_file() and src.name not in _REWRITTEN:
+            if src.is_file() and src.name not in (REPORT_FILE, SERVE_FILE):
                 _place(src, tmp / src.name, copy)
-        tensors = {}
-        for lx in layers:
-            for name in scale_names(lx.layer):
-                tensors[name] = torch.tensor([lx.k_scale], dtype=torch.float32)
-        save_file(tensors, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "mlaquant export"})
-        weight_map.update(dict.fromkeys(tensors, SCALES_FILE))
-        meta = {"total_size": total + 4 * len(tensors)}
-        index = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-        (tmp / REPORT_FILE).write_text(json.dumps({**report, "quantization_config": note}, indent=2) + "\n")
-        # mkdtemp and safetensors create owner-only modes; a served model is read by other users too
+        (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+        (tmp / SERVE_FILE).write_text(f"#!/bin/sh\n# {report['engine']} {report['engine_version']}: "
+                                      f"{report['measured']['engine']['loss']:+.3%} measured (mlaquant_export.json)\n"
+                                      f"exec {report['serve']} \"$@\"\n")
+        # mkdtemp creates owner-only modes; a served model is read by other users too
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)
-        for name in (SCALES_FILE, "model.safetensors.index.json", "config.json", REPORT_FILE):
-            (tmp / name).chmod(0o666 & ~umask)
-    return out, note
+        (tmp / REPORT_FILE).chmod(0o666 & ~umask)
+        (tmp / SERVE_FILE).chmod(0o777 & ~umask)
+    return out
 
 
 def _check_out(out: Path, model_dir: Path, plan_dir: Path) -> None:
@@ -242,8 +147,8 @@ def _check_out(out: Path, model_dir: Path, plan_dir: Path) -> None:
         raise MLAQuantError(f"--out {out} exists and is not an mlaquant export; refusing to replace it")
 
 
-def measure(model, plan: Plan, scales: list[float], args: argparse.Namespace) -> dict:
-    """Test-split metrics of the engine-equivalent cache (and at scale 1.0), on the plan's test samples."""
+def measure(model, plan: Plan, cached: Plan, args: argparse.Namespace) -> dict:
+    """Test-split metrics of the engine's cache `cached` and of every layer fp8, on the plan's test samples."""
     from mlaquant.eval import sample_bytes
     from mlaquant.samples import token_samples
     from mlaquant.stream import StreamedEvaluator
@@ -261,20 +166,20 @@ def measure(model, plan: Plan, scales: list[float], args: argparse.Namespace) ->
     batch = auto_batch_size(model.device, sample_bytes(model, seq_len), None, default=s.get("batch_size") or 8)
     evaluator = StreamedEvaluator(model, tokens, batch)
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    exported = evaluator.evaluate(engine_codecs(scales, d_c, d_r)).as_dict()
-    unscaled = evaluator.evaluate(engine_codecs([1.0] * len(scales), d_c, d_r)).as_dict()
+    every = Plan.uniform(ENGINE_FP8, len(plan.layers))
     return {
         "data": str(data),
         "samples": int(tokens.shape[0]),
         "seq_len": int(seq_len),
-        "exported": exported,
-        "scale_1": unscaled,
+        "engine": evaluator.evaluate(cached.layer_codecs(d_c, d_r)).as_dict(),
+        "every_layer_fp8": evaluator.evaluate(every.layer_codecs(d_c, d_r)).as_dict(),
     }
 
 
 def plan_model_dir(plan: Plan, plan_dir: Path, model: str | None) -> Path:
     """The checkpoint directory to export: `model` (a directory or Hugging Face id), else the one the plan
     records (`settings.model`, what it was calibrated on; its fingerprint is checked by the caller)."""
+    from mlaquant.errors import CheckpointError
     from mlaquant.loader import resolve_model_path
 
     if model is not None:
@@ -288,88 +193,97 @@ def plan_model_dir(plan: Plan, plan_dir: Path, model: str | None) -> Path:
     return path
 
 
+def engine_notes(engine: str) -> dict:
+    """What the engine does with KV scales, for the report (mlaquant.engines)."""
+    if engine == "vllm":
+        return {"scales": f"vLLM {ENGINE_VERSIONS['vllm']} loads no checkpoint KV scale onto MLAAttention (any name, "
+                "any quant config: executed in tests/test_engines.py); it runs k_scale 1.0, so none is written",
+                "skip_layers": "--kv-cache-dtype-skip-layers keeps the listed layers in the model dtype (executed)"}
+    return {"scales": f"SGLang {ENGINE_VERSIONS['sglang']} loads self_attn.k_proj.k_scale onto attn_mqa, but its "
+            "default MLA backends ignore or misapply it; none is written, so every backend runs k_scale 1.0",
+            "default_backends": SGLANG_DEFAULTS, "backends": SGLANG_BACKENDS}
+
+
 def export(args: argparse.Namespace) -> dict:
     """The whole command; returns the report written as mlaquant_export.json."""
     from mlaquant.stream import StreamedModel
 
-    if args.format not in FORMATS:
-        raise MLAQuantError(f"--format {args.format!r} unknown (known: {', '.join(FORMATS)})")
+    if args.engine not in ENGINE_VERSIONS:
+        raise MLAQuantError(f"--engine {args.engine!r} unknown (known: {', '.join(ENGINE_VERSIONS)})")
     plan_dir, out = Path(args.plan), Path(args.out)
     plan = Plan.load(plan_dir)
     model_dir = plan_model_dir(plan, plan_dir, args.model)
     _check_out(out, model_dir, plan_dir)
     device, dtype = device_from_args(args)
     model = StreamedModel(model_dir, dtype, device=device)
-    source_weight_map(model_dir)
     try:
         plan.check_model(model)
     except PlanError as e:
         if args.model is not None:
             raise
         raise PlanError(f"--model defaults to the model {plan_dir} was calibrated on, but {e}; pass --model") from e
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    layers = engine_scales(plan, d_c, d_r, args.map_to_fp8)
-    metrics = measure(model, plan, [lx.k_scale for lx in layers], args)
+    layers = engine_layers(plan, args.engine, args.map_to_fp8, args.force)
+    skip = [lx.layer for lx in layers if lx.engine == "kept"]
+    serve = vllm_serve_command(str(out), skip) if args.engine == "vllm" else sglang_serve_command(str(out))
+    metrics = measure(model, plan, engine_plan(plan, layers), args)
     budget = plan.budget if plan.budget is not None else 0.01
-    loss = metrics["exported"]["loss"]
+    loss = metrics["engine"]["loss"]
     if loss > budget and not args.force:
         raise PlanError(
-            f"exported FP8 cache measures {loss:+.3%} on {metrics['exported']['tokens']} test tokens, over "
-            f"the plan's budget {budget:.2%}; pass --force to export anyway"
+            f"{args.engine} with this plan's cache (fp8 at k_scale 1.0, layers {_layer_list(skip) or 'none'} kept) "
+            f"measures {loss:+.3%} on {metrics['engine']['tokens']} test tokens, over the plan's budget "
+            f"{budget:.2%}; pass --force to export anyway, or calibrate with configs/calibrate-engine-fp8.yaml"
         )
     report = {
-        "format": args.format,
+        "engine": args.engine,
+        "engine_version": ENGINE_VERSIONS[args.engine],
         "plan": str(plan_dir),
         "model": str(model_dir),
         "budget": budget,
-        "scale_names": {n: list(engines) for n, engines in ENGINE_SCALE_NAMES.items()},
+        "serve": serve,
+        "skip_layers": skip,
+        "layers": [dataclasses.asdict(lx) for lx in layers],
         "plan_test": plan.metrics.get("test"),
         "measured": metrics,
-        "layers": [dataclasses.asdict(lx) for lx in layers],
-        "engines": {
-            "vllm": f"{ENGINE_VERSIONS['vllm']}, --kv-cache-dtype fp8: loads self_attn.k_proj.k_scale onto "
-            "self_attn.mla_attn.mla_attn.k_scale; writes x / k_scale as e4m3 (c_kv and k_pe), reads × k_scale",
-            "sglang": f"{ENGINE_VERSIONS['sglang']}, --kv-cache-dtype fp8_e4m3: loads self_attn.k_proj.k_scale "
-            "onto self_attn.attn_mqa.k_scale; its generic MLA pool casts rows at scale 1.0 (see "
-            "measured.scale_1) — only backends that fold k_scale in apply it",
-        },
+        "notes": engine_notes(args.engine),
     }
-    written, note = write_export(model_dir, out, layers, report, args.copy)
-    report["out"], report["quantization_config"] = str(written), note
+    report["out"] = str(write_export(model_dir, out, report, args.copy))
     return report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", required=True, help="plan directory from `mlaquant calibrate`")
+    p.add_argument("--engine", required=True, help=f"serving engine: {', '.join(ENGINE_VERSIONS)}")
     p.add_argument(
         "--model",
         default=None,
         help="checkpoint directory or Hugging Face id (default: the one the plan was calibrated on)",
     )
-    p.add_argument("--format", default="compressed-tensors", help="output format (compressed-tensors)")
-    p.add_argument("--out", required=True, help="directory to write (a model directory for vLLM / SGLang)")
+    p.add_argument("--out", required=True, help="directory to write (the model directory to serve)")
     p.add_argument("--map-to-fp8", action="store_true", help="export other codecs as fp8 (loss measured)")
     p.add_argument("--force", action="store_true", help="export even if the measured loss is over the budget")
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard/sym-linking them")
     p.add_argument("--test-data", default=None, help="text to measure on (default: the test data the plan recorded)")
     p.add_argument("--samples", type=int, default=None, help="test samples (default: the plan's)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the plan's)")
+    p.add_argument("--json", action="store_true", help="print the report (mlaquant_export.json) on stdout")
     add_device_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     report = export(args)
+    if args.json:
+        print(json.dumps(report))
+        return 0
     m = report["measured"]
-    print("| layer | plan codec | exported | k_scale | from |")
+    print("| layer | plan codec | engine cache | mapped | why |")
     print("|---|---|---|---|---|")
     for lx in report["layers"]:
-        kind = "fp8 (mapped)" if lx["mapped"] else "fp8"
-        print(f"| {lx['layer']} | {lx['plan_codec']} | {kind} | {lx['k_scale']:.6g} | {lx['source']} |")
-    e, u = m["exported"], m["scale_1"]
-    print(
-        f"measured on {e['tokens']} test tokens: exported scales loss {e['loss']:+.3%} (KL {e['kl']:.5f}, "
-        f"top-1 {e['top1']:.2%}); at scale 1.0 loss {u['loss']:+.3%}"
-    )
-    print(f"{report['quantization_config']}")
-    print(f"exported to {report['out']} (serve with --kv-cache-dtype fp8; see docs/serving.md)")
+        mapped = "yes" if lx["mapped"] else "no"
+        print(f"| {lx['layer']} | {lx['plan_codec']} | {lx['engine']} | {mapped} | {lx['why']} |")
+    e, every = m["engine"], m["every_layer_fp8"]
+    print(f"measured on {e['tokens']} test tokens: {report['engine']} as served {e['loss']:+.3%} (KL {e['kl']:.5f}, "
+          f"top-1 {e['top1']:.2%}); every layer fp8 {every['loss']:+.3%}")
+    print(report["notes"]["scales"])
+    print(f"serve: {report['serve']}   (also {report['out']}/{SERVE_FILE})")
     return 0

@@ -6,6 +6,8 @@
                          `group_size` channels per token, FP scale + zero point per group)
     hqq-int4, -int2      the same cache with the HQQ backend (half-quadratic optimised zero points)
     bnb-nf4              bitsandbytes' blockwise NF4 codec (`quantize_4bit`) applied to the latent rows
+    llama.cpp-f16|q8_0|q4_0  llama.cpp itself (llama-cpp-python, `mlaquant.llamacpp`) with its latent cache of
+                         that type, teacher-forced prefills of the same tokens
 
 The transformers peers run teacher-forced *step decoding*: one token per forward, every earlier token
 read back from the cache, batched over the samples. So a `QuantizedCache` is measured as it behaves —
@@ -32,8 +34,11 @@ import torch
 
 from mlaquant.errors import MLAQuantError
 from mlaquant.eval import EvalResult, Evaluator, Scores
+from mlaquant.versions import package_version
 
-PEERS = ("transformers", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2", "bnb-nf4")
+PEERS = ("transformers", "quanto-int4", "quanto-int2", "hqq-int4", "hqq-int2", "bnb-nf4",
+         "llama.cpp-f16", "llama.cpp-q8_0", "llama.cpp-q4_0")
+LLAMA_CPP_CODECS = {"f16": "fp16", "q8_0": "q8_0", "q4_0": "q4_0"}  # what each llama.cpp cache stores
 _QUANT_RE = re.compile(r"^(quanto|hqq)-int(\d)$")
 BACKEND_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
 BACKEND_PACKAGE = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
@@ -70,10 +75,13 @@ class PeerSpec:
         text = name.strip().lower()
         if text in ("transformers", "bnb-nf4"):
             return cls(text)
+        if text.startswith("llama.cpp-") and text.split("-", 1)[1] in LLAMA_CPP_CODECS:
+            return cls(text, "llama.cpp")
         m = _QUANT_RE.match(text)
         if m is None or int(m.group(2)) not in BACKEND_BITS[m.group(1)]:
             raise MLAQuantError(
-                f"peer {name!r} unknown (known: transformers, bnb-nf4, quanto-int2|4, hqq-int1|2|3|4|8)"
+                f"peer {name!r} unknown (known: transformers, bnb-nf4, quanto-int2|4, hqq-int1|2|3|4|8, "
+                "llama.cpp-f16|q8_0|q4_0)"
             )
         return cls(text, m.group(1), int(m.group(2)))
 
@@ -309,3 +317,30 @@ def measure_nf4(evaluator: Evaluator, blocksize: int) -> dict:
         "decode_note": "fake-quantized reference codec; no NF4 cache to decode from",
         "notes": notes,
     }
+
+
+def measure_llama_cpp(evaluator: Evaluator, cache_type: str) -> dict:
+    """A llama.cpp row: its logits on the evaluator's tokens, its latent cache `cache_type`, scored against our
+    FP16-latent reference (`score_logits`); PeerUnavailable where llama.cpp cannot run the model here."""
+    from mlaquant import llamacpp
+    from mlaquant.codecs import LayerCodec
+    from mlaquant.distributions import cache_dir
+
+    reason = llamacpp.unavailable()
+    if reason is not None:
+        raise PeerUnavailable(reason)
+    model = evaluator.model
+    gguf = llamacpp.gguf_for(model.source, cache_dir() / "gguf")
+    logits = [llamacpp.token_logits(gguf, ids.cpu(), cache_type, n_threads=1) for ids in evaluator.batches]
+    part = LLAMA_CPP_CODECS[cache_type]
+    row = LayerCodec.from_names(part, part, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)
+    return {
+        "label": f"llama.cpp {cache_type} (llama-cpp-python {package_version('llama-cpp-python')})",
+        "codec": row.name,
+        "bytes_per_token_per_layer": float(row.row_bytes),
+        "bits_per_value": 8 * row.row_bytes / row.width,
+        "metrics": score_logits(evaluator, logits).as_dict(),
+        "decode_tokens_per_s": None,
+        "decode_note": "scored from llama.cpp's prefill logits",
+    }
+

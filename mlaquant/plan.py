@@ -19,7 +19,6 @@ names (e.g. "int4-g32/int8-g32"); they fit any model and carry no fingerprint.
 from __future__ import annotations
 
 import dataclasses
-import platform
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from mlaquant.codecs import CodecError, CodecSpec, LayerCodec, bits_per_value
 from mlaquant.config import from_dict, to_dict
 from mlaquant.errors import MLAQuantError, PlanError
 from mlaquant.model import latent_rotation, with_latent_rotation
+from mlaquant.versions import library_versions
 
 PLAN_VERSION = 1
 
@@ -204,12 +204,6 @@ class Plan:
                 if flag and f"layer{i}.{key}" not in plan.tensors:
                     raise PlanError(f"{scales_file}: layer {i} needs tensor 'layer{i}.{key}', which is missing")
         return plan
-
-
-def library_versions() -> dict:
-    import mlaquant
-
-    return {"mlaquant": mlaquant.__version__, "torch": str(torch.__version__), "python": platform.python_version()}
 
 
 def resolve_plan(plan: str | Path | Plan, model) -> Plan:

@@ -86,7 +86,7 @@ def target_verdict(rows: list[dict], target_id: str | None) -> dict:
     if target is None or not is_measured(target):
         why = "no calibrated plan at the target budget" if target is None else target["status"]
         return {"row": target_id, "on_front": None, "reason": why, "dominated_by": []}
-    peers = [r for r in rows if r["kind"] == "peer" and is_measured(r)]
+    peers = [r for r in rows if r["kind"] in ("peer", "engine") and is_measured(r)]
     beaten_by = [p["id"] for p in peers if dominates(p, target)]
     beaten_16 = [
         p["id"]
@@ -177,7 +177,7 @@ def findings(report: dict) -> str:
         out.append(f"Target plan: not measured ({report['target']['reason']}).")
     else:
         out.append(_target_sentence(report, next(r for r in rows if r["id"] == report["target"]["row"])))
-    peers = [r for r in rows if r["kind"] == "peer" and r[BITS] < 8]
+    peers = [r for r in rows if r["kind"] in ("peer", "engine") and is_measured(r) and r[BITS] < 8]
     if peers:
         p = min(peers, key=lambda r: r["metrics"]["loss"])
         rate = f" ({p['bits_per_value']:.2f} without its residual)" if p.get("residual_tokens") else ""
@@ -326,8 +326,8 @@ def markdown(report: dict) -> str:
     return "\n".join(text)
 
 
-MARKERS = {"ours": "o", "window": "D", "calibrated": "*", "peer": "s"}
-COLORS = {"ours": "tab:blue", "window": "tab:cyan", "calibrated": "tab:red", "peer": "tab:gray"}
+MARKERS = {"ours": "o", "window": "D", "calibrated": "*", "engine": "^", "peer": "s"}
+COLORS = {"ours": "tab:blue", "window": "tab:cyan", "calibrated": "tab:red", "engine": "tab:green", "peer": "tab:gray"}
 
 
 def _place_labels(ax, points: list[tuple[float, float, str]], line_px: float = 9.0) -> None:

@@ -82,7 +82,8 @@ def setup(tiny_model, tmp_path_factory):
         (root / f"{name}.txt").write_text(text(i))
     char_tokenizer(text(0) + text(1), tiny_model.cfg.vocab_size).save(str(ckpt / "tokenizer.json"))
     model = load_model(ckpt)
-    ccfg = CalibrateConfig(samples=4, seq_len=32, val_samples=4, test_samples=0, budget=0.01, batch_size=4)
+    ccfg = CalibrateConfig(samples=4, seq_len=32, val_samples=4, test_samples=0, budget=0.01, batch_size=4,
+                           shift_samples=0, shift_long_samples=0, shift_val_samples=0)
     plan, _ = calibrate(model, ccfg, root / "cal.txt", root / "val.txt", quiet=True)
     plan.save(root / "plan-1pct")
     cfg = load_sweep_config(None, CFG)
@@ -135,6 +136,13 @@ def test_json_rows_equal_direct_recomputation(setup):
     assert_metrics(win, ev.evaluate(Plan.uniform("int4", n).layer_codecs(d_c, d_r), window=8), rel=1e-6)
     # 1024 tokens: 1016 quantized rows of 24 B + 8 FP16 rows of 80 B, per layer
     assert win["cache_mib"]["1024"] == pytest.approx(n * (1016 * 24 + 8 * 80) / 2**20, abs=1e-4)
+
+    # other engines' cache settings: measured as uniform plans of their codecs, or said not to fit the widths
+    fp8 = rows["engine:vllm fp8"]
+    assert_metrics(fp8, ev.evaluate(Plan.uniform("e4m3/e4m3", n).layer_codecs(d_c, d_r)), rel=1e-6)
+    assert fp8["bytes_per_token_per_layer"] == d_c + d_r and fp8["kind"] == "engine"
+    ds = rows["engine:vllm fp8_ds_mla"]
+    assert ds["status"].startswith("not run: does not fit this model") and "128" in ds["status"]
 
     plan = Plan.load(setup["root"] / "plan-1pct")
     cal = rows["plan:plan-1pct"]
@@ -247,7 +255,7 @@ def test_rerun_reuses_finished_rows(setup, monkeypatch, tmp_path):
     assert again["reference"] == first["reference"]
     # other settings (here: the test tokens) are a different sweep: nothing is reused
     measured.clear()
-    cfg = load_sweep_config(None, {**CFG, "seed": 1, "peers": [], "codecs": ["int4"], "window": 0})
+    cfg = load_sweep_config(None, {**CFG, "seed": 1, "peers": [], "engines": [], "codecs": ["int4"], "window": 0})
     other = sweep(
         setup["model"], cfg, tmp_path / "out", root / "test.txt", [str(root / "plan-1pct")], quiet=True
     )
@@ -335,8 +343,9 @@ def test_sweep_calibrates_its_plans_once(setup, tmp_path, monkeypatch):
             "codecs": ["int4"],
             "window": 0,
             "peers": [],
+            "engines": [],
             "budgets": [0.01, 0.02],
-            "calibrate": {"samples": 4, "seq_len": 32, "val_samples": 4, "batch_size": 4},
+            "calibrate": {"samples": 4, "seq_len": 32, "val_samples": 4, "batch_size": 4, "shift_val_samples": 0},
             "calibration_data": str(root / "cal.txt"),
             "validation_data": str(root / "val.txt"),
         },
