@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from mlaquant.calib.data import shift_description, shift_source, split_path
 from mlaquant.calib.observers import LatentStats, observe, observe_streamed
-from mlaquant.codecs import LayerCodec
+from mlaquant.codecs import CodecError, LayerCodec
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.device import add_device_arguments, auto_batch_size, peak_memory, place
 from mlaquant.device import from_args as device_from_args
@@ -722,7 +722,8 @@ def calibrate(
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json; calibration needs text → tokens")
     model = place(model, device, dtype)
-    cfg = dataclasses.replace(cfg, batch_size=calibration_batch_size(model, cfg))
+    fits, skipped = fitting_candidates(cfg.candidates, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)
+    cfg = dataclasses.replace(cfg, batch_size=calibration_batch_size(model, cfg), candidates=fits)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
     t0 = time.perf_counter()
@@ -740,7 +741,28 @@ def calibrate(
         measured = measure(model, val, observe_variants(model, cal, cfg, bar), cfg, bar, second)
     verified = fall_back(model, measured, search(measured.table, cfg.headroom * cfg.budget), cfg)
     verified = int8_projections(model, measured, narrow(model, measured, verified, cfg), cfg)
-    return build_report(model, cfg, sources, (cal, val), measured, verified, t0)
+    plan, report = build_report(model, cfg, sources, (cal, val), measured, verified, t0)
+    if skipped:
+        report["skipped_candidates"] = plan.metrics["skipped_candidates"] = skipped
+    return plan, report
+
+
+def fitting_candidates(candidates: tuple, d_c: int, d_r: int) -> tuple[tuple, list[dict]]:
+    """The candidates whose codecs fit latent widths d_c / d_r, and one {candidate, reason} per one that does
+    not (a group that does not divide its part, an odd width for 4-bit codes); MLAQuantError when none but the
+    FP16 fallback fits."""
+    fits, skipped = [], []
+    for name in candidates:
+        try:
+            LayerCodec.from_names(*name.split("/"), d_c, d_r)
+        except CodecError as e:
+            skipped.append({"candidate": name, "reason": str(e)})
+            continue
+        fits.append(name)
+    if fits == ["fp16/fp16"]:
+        why = "; ".join(f"{s['candidate']}: {s['reason']}" for s in skipped)
+        raise MLAQuantError(f"calibrate: no candidate codec fits latent widths d_c {d_c}, d_r {d_r} ({why})")
+    return tuple(fits), skipped
 
 
 def calibration_batch_size(model: MLAModel | StreamedModel, cfg: CalibrateConfig) -> int:
@@ -774,6 +796,9 @@ def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
         out += "\n" + long_context_lines(report["long_context"], plan.budget)
     if "shift" in report:
         out += "\n" + shift_line(report["shift"], plan.budget)
+    if "skipped_candidates" in report:
+        names = ", ".join(s["candidate"] for s in report["skipped_candidates"])
+        out += f"\n   skipped: {names} (do not fit d_c {model.cfg.kv_lora_rank} / d_r {model.cfg.qk_rope_head_dim})"
     if "shift_validation" in report:
         sv = report["shift_validation"]
         out += f"\n  (search also held third-party validation @{sv['seq_len']}: loss {sv['loss']:+.3%}; {sv['data']})"
@@ -854,7 +879,7 @@ def json_summary(plan: Plan, model: MLAModel | StreamedModel, report: dict, out:
         "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
         "bytes_per_token": plan.bytes_per_token(d_c, d_r),
         "layers": layers,
-        **{split: report[split] for split in ("validation", "test", "long_context", "shift") if split in report},
+        **{k: report[k] for k in ("validation", "test", "long_context", "shift", "skipped_candidates") if k in report},
         "fallbacks": len(plan.fallbacks),
         "seconds": report["seconds"],
         "peak_rss_mib": report["peak_rss_mib"],

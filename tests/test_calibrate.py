@@ -235,3 +235,23 @@ def test_search_weighs_the_worse_domain():
     assert search([row], target=0.006) == [1]  # 0.001 alone would pass; the second domain's 0.009 does not
     assert search([row], target=0.01) == [0]
     assert wider(row, 0) == 1
+
+
+def test_candidates_that_do_not_fit_the_widths_are_skipped_not_fatal(synthetic, tmp_path):
+    """A DeepSeek-V3-style checkpoint with kv_lora_rank 48 and qk_rope_head_dim 12: group-32 candidates do not
+    divide 48, so they are skipped and named (summary, report, plan.yaml); the others calibrate. Only when no
+    candidate but FP16 fits is it an error, in one line."""
+    from mlaquant.calib.calibrate import fitting_candidates, summary_table
+
+    odd = load_model(synthetic(tmp_path / "odd", 2, kv_lora_rank=48, rope_dim=12))
+    cfg = CalibrateConfig(**SMALL, budget=0.05, try_rotation=False, narrow_trials=0)
+    plan, report = calibrate(odd, cfg, quiet=True)
+    skipped = {s["candidate"]: s["reason"] for s in report["skipped_candidates"]}
+    assert set(skipped) == {"int4-g32/int4-g32", "int4-g32/int4-row-asym", "int4-g32/int8-g32"}
+    assert all("group size 32 does not divide width 48" in r for r in skipped.values())
+    assert not {lp.codec_name for lp in plan.layers} & set(skipped)
+    assert plan.metrics["skipped_candidates"] == report["skipped_candidates"]
+    assert "skipped: int4-g32/int4-g32" in summary_table(plan, odd, report)
+    assert all(lp.codec_name in cfg.candidates for lp in plan.layers)
+    with pytest.raises(MLAQuantError, match=r"no candidate codec fits latent widths d_c 48, d_r 12 \(int4-g32"):
+        fitting_candidates(("int4-g32/int4-g32", "fp16/fp16"), 48, 12)
