@@ -12,30 +12,47 @@ TP-8), B = 32.
 
 Per variant: registers, stack (spill) bytes, STL/LDL count, shared memory, MMA instruction kinds (HGMMA /
 IGMMA = wgmma, HMMA / IMMA = mma.sync), and the main loop: the backward branch span holding the most MMA
-instructions (the largest such span when tied); its static instruction count, its MMA work and, per cached
-token (the loop covers BLOCK_N tokens and runs once per head block of a sequence), SM issue cycles and MMA
-cycles.
+instructions (the largest such span when tied); its static instruction count, of them the conditional ones (a
+forward branch inside the loop can skip them: the decode kernel's lazy softmax rescale), its MMA work and, per
+cached token (the loop covers BLOCK_N tokens and runs once per head block of a sequence), SM issue cycles and
+MMA cycles. Each target compiles the variants of its own settings (`KernelConfig.for_target`); decode rows get
+predictions for the devices of their target (`Device.target`: sm_90a -> H100, H200; sm_80 -> A100).
 
-Cost model (decode: the query kernel when a part is integer, stage 1, merge), per device, B sequences of
+Cost model (decode: the query kernel when a part is INT8-scored, stage 1, merge), per device, B sequences of
 `context` tokens:
 
     t_hbm   = (B·T·row_bytes + query + partials written) / HBM_BW      each cache byte once from HBM
     t_l2    = (B·T·row_bytes · head_blocks + ...) / L2_BW             sibling head blocks re-read through L2
-    t_issue = B·T · issue_cycles_per_token / (SMS · CLOCK)            issue = instructions · num_warps / 4
-    t_mma   = B·T · mma_cycles_per_token / (SMS · CLOCK)              mma = flops / (per-SM rate)
+    t_issue = B·T · issue_cycles_per_token / (SMS · CLOCK)            issue = executed instructions · warps / 4
+    t_mma   = B·T · mma_cycles_per_token / (SMS · CLOCK)              mma = Σ flops / (per-SM rate of the kind)
     stage1  = max(t_hbm, t_l2, t_issue, t_mma) · waves,   waves = ceil(P / SMS) / (P / SMS), P = programs
     merge   = partials read + output written over HBM_BW (when split) ;  + LAUNCH_US per kernel launched
     (the query kernel counts as its launch only: it reads B·H·(d_c + d_r) values once)
 
+Executed instructions per loop iteration = the unconditional ones + the conditional ones × r, with
+r = RESCALES_PER_PROGRAM · BLOCK_N / chunk: the rescale branch runs on a program's first tile and when a head's
+running max grows by more than 2^8 later. Measured on the bundled model's real attention (every query of the
+last 512 positions of a 4096-token window of stdlib source, 4 layers x 4 heads, the kernel's tile order;
+script in docs/aot_round3.md): 0.16-0.77 later rescales per program for tiles of 16 / 32 tokens and chunks of
+512 / 2048 / 4096 tokens; RESCALES_PER_PROGRAM = 2 (the first tile + 1, rounded up). Long-context DeepSeek
+scores could grow more often; r = 1 is the worst case (every tile), which `loop_conditional` lets a reader
+recompute.
+
 Constants (`DEVICES`): H100 SXM 132 SMs at 1.755 GHz, HBM 3.0 TB/s achieved (3.35 peak), L2 5.5 TB/s;
 H200 the same SMs and L2, HBM 4.3 TB/s achieved (4.8 peak, the same 90 %). Per SM and cycle, wgmma does
-4096 FP16 flops and 8192 INT8 ops (989 / 1979 dense TFLOP/s at 1.83 GHz over 132 SMs); mma.sync is taken at
-half of that (`MMA_SYNC_FACTOR`). Launch 3 µs per kernel.
+4096 FP16 flops and 8192 INT8 ops (989 / 1979 dense TFLOP/s at 1.83 GHz over 132 SMs, NVIDIA's H100
+datasheet); mma.sync on Hopper is taken at half of that (`MMA_SYNC_FACTOR`, a lead: the FlashAttention-3
+paper has its wgmma kernels 1.5-2x faster than FlashAttention-2's mma.sync ones on H100; until round 3 the
+factor multiplied the flops, i.e. counted mma.sync at twice the wgmma rate). A100 SXM4 80 GB: 108 SMs at
+1.41 GHz (boost), HBM 1.8 TB/s taken (2.04 peak, the same 90 %), mma.sync at 2048 FP16 flops and 4096 INT8
+ops per SM and cycle (312 / 624 dense TFLOP/s, NVIDIA's A100 datasheet), L2 4.0 TB/s (an assumption, no
+datasheet figure: it matters where head blocks re-read a tile). Launch 3 µs per kernel.
 
-Limits (it is an estimate from static code, never a measurement): it counts each static instruction of the
-loop once per iteration (predicated-off ones too) and assumes one warp-instruction per scheduler and cycle
-(no latency stalls, no occupancy limit, no bank conflicts), full tiles, every sibling re-read an L2 hit, and
-the terms overlapping perfectly (the max). It does not model the query's quantization outside the loop.
+Limits (it is an estimate from static code, never a measurement): it counts each unconditional static
+instruction of the loop once per iteration (predicated-off ones too) and assumes one warp-instruction per
+scheduler and cycle whatever its pipe (no latency stalls, no occupancy limit, no bank conflicts; conversions
+and MUFU run at a quarter of that rate or less on real hardware), full tiles, every sibling re-read an L2 hit,
+and the terms overlapping perfectly (the max). It does not model the query's quantization outside the loop.
 """
 
 from __future__ import annotations
@@ -65,12 +82,14 @@ DECODE_CODECS = (
     "int4-row/int4-row",
     "int4-row-asym/int4-row-asym",
     "int4-g32/int4-g32",
+    "int4-g64/int4-g32",  # the default plan's last layer
     "int4-row/int8-row",
     "int4-row/fp16",
 )
 GEMM_M = (1, 32, 128)  # decode batches: the W8A8 GEMM's tile rule picks its variant from M
 LAUNCH_US = 3.0
 MMA_SYNC_FACTOR = 0.5
+RESCALES_PER_PROGRAM = 2.0  # lazy-rescale branches taken per stage-1 program (module docstring)
 _MMA = re.compile(r"\b(HGMMA|IGMMA|HMMA|IMMA)\.(\d+)x?(\d*)x?(\d*)")
 _LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 _LABEL = re.compile(r"^(\.L_x_\d+):")
@@ -87,9 +106,21 @@ class Device:
     l2_tb_s: float
     fp16_flops_per_sm_cycle: float = 4096.0
     int8_ops_per_sm_cycle: float = 8192.0
+    mma_sync_factor: float = MMA_SYNC_FACTOR  # mma.sync's rate over the one above
+    target: str = "sm_90a"  # the compile target whose rows it predicts
+
+    def mma_cycles(self, flops: dict) -> float:
+        """SM cycles of `flops` {HGMMA|IGMMA|HMMA|IMMA: flops} at this device's rates."""
+        f16, i8, sync = self.fp16_flops_per_sm_cycle, self.int8_ops_per_sm_cycle, self.mma_sync_factor
+        rate = {"HGMMA": f16, "IGMMA": i8, "HMMA": f16 * sync, "IMMA": i8 * sync}
+        return sum(f / rate[k] for k, f in flops.items())
 
 
-DEVICES = {"H100": Device(132, 1.755, 3.0, 5.5), "H200": Device(132, 1.755, 4.3, 5.5)}
+DEVICES = {
+    "H100": Device(132, 1.755, 3.0, 5.5),
+    "H200": Device(132, 1.755, 4.3, 5.5),
+    "A100": Device(108, 1.41, 1.8, 4.0, 2048.0, 4096.0, 1.0, "sm_80"),
+}
 
 
 @dataclass
@@ -126,14 +157,15 @@ def compile_launch(launch, arch: int):
 
 
 def _mma_flops(mnemonic: str, warps: int) -> tuple[str, float]:
-    """(fp16|int8, flops per program) of one MMA instruction executed once by every warp of the program."""
+    """(HGMMA|IGMMA|HMMA|IMMA, flops per program) of one MMA instruction executed once by every warp of the
+    program."""
     m = _MMA.search(mnemonic)
     kind, a, b, c = m.group(1), m.group(2), m.group(3), m.group(4)
     if kind in ("HGMMA", "IGMMA"):  # HGMMA.64x64x16: one per warpgroup
         mnk = int(a) * int(b) * int(c) * (warps / 4)
-    else:  # HMMA.16816 = m16 n8 k16, one per warp
+    else:  # HMMA.16816 = m16 n8 k16, IMMA.16832 = m16 n8 k32, one per warp
         mnk = int(a[:2]) * int(a[2]) * int(a[3:]) * warps
-    return ("int8" if kind.startswith("I") else "fp16"), 2.0 * mnk * (1.0 if "GMMA" in kind else MMA_SYNC_FACTOR)
+    return kind, 2.0 * mnk
 
 
 def parse_sass(sass: str) -> tuple[list[tuple[int, str]], dict[str, int]]:
@@ -156,6 +188,12 @@ def parse_sass(sass: str) -> tuple[list[tuple[int, str]], dict[str, int]]:
 
 def main_loop(sass: str) -> list[str]:
     """Instructions of the main loop (module docstring), [] when the code has no loop."""
+    return [t for _, t in _main_loop(sass)[0]]
+
+
+def _main_loop(sass: str) -> tuple[list[tuple[int, str]], set[int]]:
+    """(the main loop's [(address, instruction)], addresses of its conditional instructions: those a forward
+    branch inside the loop can skip, up to its target inside the loop)."""
     instrs, labels = parse_sass(sass)
     best, best_key = [], (-1, -1)
     for i, (addr, text) in enumerate(instrs):
@@ -163,11 +201,19 @@ def main_loop(sass: str) -> list[str]:
         if not br or labels.get(br.group(1), addr + 1) > addr:
             continue
         start = labels[br.group(1)]
-        body = [t for a, t in instrs[: i + 1] if a >= start]
-        key = (sum(1 for t in body if _MMA.search(t)), len(body))
+        body = [(a, t) for a, t in instrs[: i + 1] if a >= start]
+        key = (sum(1 for _, t in body if _MMA.search(t)), len(body))
         if key > best_key:
             best, best_key = body, key
-    return best
+    skipped: set[int] = set()
+    if best:
+        end = best[-1][0]
+        for a, t in best:
+            br = _BRANCH.search(t)
+            target = labels.get(br.group(1)) if br else None
+            if t.startswith("@") and target is not None and a < target <= end:
+                skipped.update(b for b, _ in best if a < b < target)
+    return best, skipped
 
 
 def inspect_cubin(cubin: bytes, warps: int) -> dict:
@@ -183,18 +229,19 @@ def inspect_cubin(cubin: bytes, warps: int) -> dict:
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     ops = [t.split()[0] if not t.startswith("@") else t.split()[1] for _, t in parse_sass(sass)[0]]
     kinds = {k: sum(1 for o in ops if o.startswith(k + ".")) for k in ("HGMMA", "IGMMA", "HMMA", "IMMA")}
-    loop = main_loop(sass)
-    flops = {"fp16": 0.0, "int8": 0.0}
-    for t in loop:
-        if _MMA.search(t):
+    body, skipped = _main_loop(sass)
+    loop = [t for _, t in body]
+    flops = {"HGMMA": 0.0, "IGMMA": 0.0, "HMMA": 0.0, "IMMA": 0.0}
+    for a, t in body:
+        if _MMA.search(t) and a not in skipped:
             kind, f = _mma_flops(t, warps)
             flops[kind] += f
     loop_mma = sorted({_MMA.search(t).group(1) for t in loop if _MMA.search(t)})
     return {
         "registers": regs, "stack_bytes": stack,
         "spill_instructions": sum(1 for o in ops if o.startswith(("STL", "LDL"))),
-        "mma": kinds, "loop_instructions": len(loop), "loop_mma": loop_mma,
-        "loop_fp16_flops": flops["fp16"], "loop_int8_ops": flops["int8"],
+        "mma": kinds, "loop_instructions": len(loop), "loop_conditional": len(skipped), "loop_mma": loop_mma,
+        "loop_flops": flops,
         "ldg128": sum(1 for o in ops if o.startswith("LDG.E.128")),
     }
 
@@ -235,7 +282,7 @@ def _decode_launch(K, codec, heads: int, context: int, config, n_sm: int | None 
     table = _meta(BATCH, context // K.PAGE_TOKENS, dtype=torch.int32)
     lens = _meta(BATCH, dtype=torch.int32)
     chunk = K.schedule_chunk(config, BATCH, heads, context, n_sm)
-    stage0, staged = K.query_launch(q, codec, D_C, 0.1, on_gpu=True)
+    stage0, staged = K.query_launch(q, codec, D_C, 0.1, config, on_gpu=True)
     launch, parts, lse = K.stage1_launch(q, staged, pool, table, lens, codec, D_C, 0.1, chunk, context, config,
                                          on_gpu=True)
     return launch, parts, stage0
@@ -266,9 +313,11 @@ def predict(stats: dict, v: Variant, device: Device, context: int) -> dict:
     n_split = parts.shape[2]
     tokens = BATCH * context
     per_token = d["head_blocks"] / d["block_n"]
-    issue = stats["loop_instructions"] * d["warps"] / 4 * per_token
-    mma = (stats["loop_fp16_flops"] / device.fp16_flops_per_sm_cycle
-           + stats["loop_int8_ops"] / device.int8_ops_per_sm_cycle) * per_token
+    chunk = K.schedule_chunk(d["config"], BATCH, v.heads, context, device.sms)
+    rate = min(1.0, RESCALES_PER_PROGRAM * d["block_n"] / min(chunk, context))  # per loop iteration
+    executed = stats["loop_instructions"] - (1.0 - rate) * stats["loop_conditional"]
+    issue = executed * d["warps"] / 4 * per_token
+    mma = device.mma_cycles(stats["loop_flops"]) * per_token
     cache = tokens * d["row_bytes"]
     small = BATCH * v.heads * (D_C + D_R) * 2 + BATCH * v.heads * n_split * (D_C + 1) * 4
     sm_rate = device.sms * device.clock_ghz * 1e3  # cycles per µs over all SMs
@@ -284,7 +333,8 @@ def predict(stats: dict, v: Variant, device: Device, context: int) -> dict:
         merge = (BATCH * v.heads * (n_split * (D_C + 1) + D_C) * 4) / (device.hbm_tb_s * 1e6) + LAUNCH_US
     bound = max(terms, key=terms.get)
     total = terms[bound] * waves + merge + LAUNCH_US * (1 if stage0 is None else 2)
-    return {"us": total, "bound": bound, "waves": waves, "programs": programs, "splits": n_split,
+    return {"us": total, "bound": bound, "waves": waves, "programs": programs, "splits": n_split, "chunk": chunk,
+            "rescale_rate": rate,
             "issue_cycles_per_token": issue, "mma_cycles_per_token": mma, **{f"t_{k}": t for k, t in terms.items()}}
 
 
@@ -302,21 +352,29 @@ def inspect_variant(v: Variant, arch: int) -> dict:
     return _CACHE[key]
 
 
-def report(targets: list[str], variants: list[Variant] | None = None) -> list[dict]:
-    """One row per (target, variant): compile stats, and for sm_90 decode rows the predicted times."""
-    variants = variants if variants is not None else decode_variants() + gemm_variants()
+def report(targets: list[str], variants=None) -> list[dict]:
+    """One row per (target, variant): compile stats, and for decode rows the predicted times on the devices
+    of that target (`Device.target`). `variants`: a list, or a function of the target's `KernelConfig`
+    returning one; None: every decode variant and the GEMM's, with the packaged config for that target."""
+    from mlaquant.kernels import mla_decode as K
+
     rows = []
     for target in targets:
         if target not in TARGETS:
             raise ValueError(f"bench kernels --aot: unknown target {target!r} (known: {', '.join(TARGETS)})")
-        for v in variants:
+        config = K.load_kernel_config().for_target(target)
+        if variants is None:
+            chosen = decode_variants(config=config) + gemm_variants()
+        else:
+            chosen = variants(config) if callable(variants) else variants
+        for v in chosen:
             stats = inspect_variant(v, TARGETS[target])
             row = {"target": target, "kernel": v.kernel, "variant": v.label, "heads": v.heads,
                    "num_warps": v.launch.kwargs.get("num_warps", 4), **stats}
             row["tile"] = {k: w for k, w in v.launch.kwargs.items() if k.startswith("BLOCK_")}
-            if v.kernel == "mla_decode" and TARGETS[target] == 90:
-                row["predicted"] = {f"{dev} {ctx // 1024}k": predict(stats, v, DEVICES[dev], ctx)
-                                    for dev in DEVICES for ctx in CONTEXTS}
+            if v.kernel == "mla_decode":
+                row["predicted"] = {f"{dev} {ctx // 1024}k": predict(stats, v, d, ctx)
+                                    for dev, d in DEVICES.items() if d.target == target for ctx in CONTEXTS}
             rows.append(row)
     return rows
 
@@ -325,7 +383,7 @@ def render(rows: list[dict]) -> str:
     """Markdown table of `report` rows (predicted µs with the bound term, B = 32)."""
     cols = [f"{d} {c // 1024}k" for d in DEVICES for c in CONTEXTS]
     head = ["target", "kernel", "variant", "H", "tile, warps", "regs", "stack B", "STL/LDL", "smem KiB",
-            "HGMMA/IGMMA/HMMA/IMMA", "loop MMA", "loop instr", "issue cyc/token", "MMA cyc/token"]
+            "HGMMA/IGMMA/HMMA/IMMA", "loop MMA", "loop instr (cond.)", "issue cyc/token", "MMA cyc/token"]
     lines = ["| " + " | ".join(head + [f"µs {c}" for c in cols]) + " |", "|" + "---|" * (len(head) + len(cols))]
     for r in rows:
         pred = r.get("predicted") or {}
@@ -335,10 +393,11 @@ def render(rows: list[dict]) -> str:
             "×".join(str(v) for v in r["tile"].values()) + f", {r['num_warps']}", r["registers"], r["stack_bytes"],
             r["spill_instructions"], f"{r['shared_bytes'] / 1024:.0f}",
             "/".join(str(r["mma"][k]) for k in ("HGMMA", "IGMMA", "HMMA", "IMMA")),
-            "+".join(r["loop_mma"]) or "—", r["loop_instructions"],
+            "+".join(r["loop_mma"]) or "—",
+            f"{r['loop_instructions']} ({r['loop_conditional']})" if r["loop_conditional"] else r["loop_instructions"],
             f"{first['issue_cycles_per_token']:.0f}" if first else "—",
             f"{first['mma_cycles_per_token']:.0f}" if first else "—",
-        ] + [f"{pred[c]['us']:.0f} ({pred[c]['bound']})" if pred else "—" for c in cols]
+        ] + [f"{pred[c]['us']:.0f} ({pred[c]['bound']})" if c in pred else "—" for c in cols]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -19,15 +19,22 @@ Bytes read per row (little-endian; the c_kv part at byte 0, the k_pe part at byt
 each part of width W in groups of G channels, n_g = W / G, see `mlaquant.codecs`):
 
     fp16            W fp16 values                       2W bytes
-    int8 sym        W int8 codes | n_g fp16 scales       x = q * s
-    int8 asym       W uint8 codes | n_g fp16 s | n_g fp16 lo     x = q * s + lo
-    int4 sym        W/2 bytes (low nibble = channel 2j, high = 2j+1, stored q + 8, q in [-7, 7]) | n_g fp16 s
+    int8 sym        W int8 codes (q in [-128, 127]) | n_g fp16 s (signed)           x = q * s
+    int8 asym       W uint8 codes (q in [0, 255]) | n_g fp16 s | n_g fp16 lo         x = q * s + lo
+    int4 sym        W/2 bytes (low nibble = channel 2j, high = 2j+1, stored q + 8, q in [-8, 7]) | n_g fp16 s (signed)
     int4 asym       W/2 bytes (nibbles q in [0, 15]) | n_g fp16 s | n_g fp16 lo
     fp32 / bf16     refused here (BackendError): they exist for exactness checks on the torch path.
 
-Scores. A float part (fp16) is a FP16 x FP16 `tl.dot` with FP32 accumulation. For an integer part the
-query is quantized once per call by the query kernel (stage 0) per (token, head, group) with the cache
-part's grouping:
+Scores. Each row part is scored one of two ways, chosen per block shape and part family by
+`KernelConfig.dequant_scores` (`scored_parts`; configs/kernels.yaml says which and why):
+- FP16 dots on the dequantized tile: the part's tile is dequantized once per tile (`half_values`, exactly the
+  codec's decode rounded to FP16, as for P·V), in two halves of contiguous channels, and each half feeds an
+  FP16 x FP16 `tl.dot` (FP32 accumulation) with the query rounded to FP16, times the score scale; for c_kv the
+  same halves are the V tiles of P·V, reaching both dots through shared memory (`_computed_once`). Every FP16
+  part of a narrow block, and the integer families listed, are scored this way; no query kernel runs for them.
+  The scores then differ from the exact decode by the FP16 rounding of q and of the decoded keys only.
+- INT8 dots (the other integer parts): the query is quantized once per call by the query kernel (stage 0) per
+  (token, head, group) with the cache part's grouping:
 `qs = absmax(q_group) / 127` (FP32, IEEE division), `q8 = round_half_even(q_group / qs)` (an all-zero group
 gets qs = 1, q8 = 0); then per group one INT8 x INT8 -> INT32 `tl.dot` with the group's codes, exact, scaled
 into FP32: `qs * s * dot8` (+ `qs * lo' * Σq8` for asymmetric groups), with the score scale folded into
@@ -37,14 +44,17 @@ unchanged (lo' = lo). INT4 groups of ≥ 64 channels run as two dots over the un
 channels) and high (odd channels), against the query's even and odd channels, and symmetric ones subtract
 8·Σq8 (the same INT32 value as Σ q8·(n − 8)); smaller INT4 groups interleave the nibbles into one INT8 tile.
 On the GPU nibbles are unpacked by inline PTX four bytes per 32-bit instruction (`ASM`); the interpreter runs
-the same bit operations per element. `group_dot` is the reference path for one group;
+the same bit operations per element; INT8 codes reach FP16 the same way (byte XOR 0x80 moved into the
+mantissa of FP16 1024, 1152 subtracted: exact for every code, −128 included). `group_dot` is the reference
+path for one group;
 tests/test_kernel_mla_decode.py checks it bit-exactly against torch, tests/test_kernel_dequant.py checks the
 in-loop `group_dot_int32` against it.
 
-P·V: V is dequantized in-kernel (`half_values`, in two halves of the channels: contiguous for fp16 / int8, the
-low and high nibbles for int4) exactly as the codec's decode rounded to FP16 — asymmetric codes in FP32
-(`q * s + lo`), symmetric ones in FP16 (q·s is exact in FP32, so FP16's rounded product is the same bits;
-tests/test_kernel_dequant.py checks every codec bit for bit) — and multiplied with P rounded to FP16 (FP32
+P·V: V is dequantized in-kernel (`half_values`, in two halves of the channels: contiguous for fp16 / int8 and
+for FP16-scored int4, else the low and high nibbles) exactly as the codec's decode rounded to FP16 — asymmetric
+codes in FP32 (`q * s + lo`), symmetric ones in FP16 (|q| ≤ 128 times an FP16 scale of either sign is exact in
+FP32, so FP16's rounded product is the same bits; tests/test_kernel_dequant.py checks every codec bit for bit,
+codes −128 / −8 and negative scales included) — and multiplied with P rounded to FP16 (FP32
 accumulation), once per tile for all heads of the program. The
 alternative, INT8 P·V, must fold the per-token V scales into P (they vary along the reduction axis) and
 re-quantize P per (head, group) every tile. Measured in a torch emulation of both (d_c 512, 1024 tokens,
@@ -55,30 +65,40 @@ It would also cost n_g small MMAs and n_g INT32->FP32 rescales per tile instead 
 per token, shared by all heads) and one MMA. Speed could not be measured here (no GPU). FP16 P·V is the
 choice (FlashMLA also dequantizes to 16-bit for P·V).
 
-GPU layout (each choice compiled for sm_90a and compared with `mlaquant bench kernels --aot`, Triton 3.9; the
-numbers are the main loop's instructions for INT4-row at H = 128, and the spill bytes per thread of the 18
-decode variants; docs/aot_after.md has the final table):
-- Stage 0 (`_query_kernel`) quantizes an integer part's query once per (sequence, head) into q8, qs·qk_scale
-  and Σq8; stage 1 loads them, and Triton keeps the loaded int8 query in shared memory as the wgmma operand.
-  Quantized inside stage 1, the 64 x 576 query was computed in registers and held there: 36 per thread, the
-  spills of the 64-head variants.
-- Above 16 heads, blocks of 128 heads on 8 warps with the 512 value channels in two programs (`d_split` 2):
-  each warpgroup owns 64 heads (one M = 64 wgmma), so a head's scores, softmax and P stay inside one warpgroup,
-  and the accumulator is 128 x 256 FP32. The two programs of a head block both compute its scores (the MMA
-  work of QK doubles); the 64 x 1 layout instead split every score tile over both warpgroups (an exchange
-  through shared memory per tile) and spilled in all nine variants.
+GPU layout (each choice compiled with `mlaquant bench kernels --aot`, Triton 3.9; "loop" counts the main
+loop's static instructions, (n) of them in the lazy-rescale branch; docs/aot_round3.md has the tables):
+- Stage 0 (`_query_kernel`) quantizes an INT8-scored part's query once per (sequence, head) into q8,
+  qs·qk_scale and Σq8; stage 1 loads them, and Triton keeps the loaded int8 query in shared memory as the
+  wgmma operand (quantized inside stage 1, the 64 x 576 query was held in registers: 36 per thread, spills).
+- Above 16 heads on sm_90a, blocks of 128 heads on 8 warps with the 512 value channels in two programs
+  (`d_split` 2): each warpgroup owns 64 heads (one M = 64 wgmma), so a head's scores, softmax and P stay inside
+  one warpgroup, and the accumulator is 128 x 256 FP32. Both programs of a head block compute its scores (the
+  QK MMA work doubles). On sm_80 (`targets.sm_80`: no wgmma) blocks of 32 heads on 8 warps, unsplit: the
+  128-head mma.sync blocks spilled 272-3088 B per thread.
+- Grouped parts at 128 heads are FP16-scored: one INT8 dot and one FP32 rescale per group made int8-g64 /
+  int4-g32 issue-bound at 196 / 301 cycles per token (loop 782 / 1204 for 16 tokens); scored in FP16 on the
+  dequantized tile they are MMA-bound (100 / 104 cycles, loop 799 (138) / 772 (138) for 32 tokens). Integer
+  k_pe parts too (int4-row-asym 422 -> 388 µs predicted), except a row-wise k_pe beside a grouped c_kv, which
+  spilled 104 B. Narrow blocks FP16-score every integer part: the V tile is dequantized anyway, and the INT8
+  path's separate nibble unpack and rescale cost more (INT4-row at 16 heads: loop 960 -> 772).
+- A tile dequantized for two dots passes an identity that Triton may not duplicate (`_computed_once`): without
+  it Triton recomputed the dequantization in each dot's register layout (INT4-row, 16 heads: loop 1401 -> 765).
+  INT8 codes become FP16 by a PRMT (`_int8_f16`), not I2F (a quarter-rate conversion).
+- FP16-scored int4 parts split their channels into contiguous halves (`half_values(..., NIBBLES=False)`), so the
+  FP16 query halves load contiguously: the strided loads of even / odd channels spilled 8-80 B in the prologue.
+- Lazy rescaling: the running max (and the accumulators) move only when a tile's max exceeds it by more than
+  2^RESCALE_LOG2 (p ≤ 256 in FP16); the rescale of the 128 x 256 accumulator was 128 FMULs per thread and tile,
+  now a branch taken about twice per program (kernels/aot.py: RESCALES_PER_PROGRAM).
 - A program owns one value half, a constexpr in `_chunk_loop`, so it compiles that half's dequantization only.
 - A tile is BLOCK_N consecutive tokens of one sequence; when BLOCK_N divides the pool's page (32 or 16 of 64)
   it lies in one page, so one block-table entry gives a scalar base and every load of the tile is that base
-  plus loop-invariant offsets (`page_rows`; 1395 → 1005 instructions); other page sizes look up each token's
-  page (`tile_rows`).
-- Whole tiles run with a constant all-true mask that Triton folds away (no predicates, no −inf select); the
-  one partial tile of a chunk runs first, masked (858 → 730; run last, it left values live across the loop
-  that spilled).
-- FP16 c_kv tiles of an unsplit program are read once, as two channel halves serving as K and as V.
-- Tile length by c_kv family (`KernelConfig.wide_block_n`): 32 tokens for row-wise integer parts, 16 for
-  FP16 and grouped ones, which spill at 32; one pipeline stage (two need 208-376 KiB of shared memory at 128
-  heads). The cost model ignores latency, which more stages would hide; it could not be measured here.
+  plus loop-invariant offsets (`page_rows`); other page sizes look up each token's page (`tile_rows`).
+- Whole tiles run with a constant all-true mask that Triton folds away; the one partial tile of a chunk runs
+  first, its tokens past the range reading the tile's first token instead (no masked loads, fewer live
+  predicates: int4-g32 at 128 heads 16 -> 8 B of stack) with their scores set to −inf.
+- Tiles of 32 tokens in every family (64 spill 24-104 B at 128 heads); one pipeline stage (two need 208-376
+  KiB of shared memory at 128 heads). The cost model ignores latency, which more stages would hide.
+- The merge (stage 2) runs 128 channels per program: 16 x 512 used all 255 registers (now 72).
 
 Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page). By default, on
 a GPU, `schedule_chunk` sizes them to fill the SMs (waves x pages per program within 10 % of the best, the
@@ -86,9 +106,9 @@ longest such chunk); under the interpreter they come from `configs/kernels.yaml`
 context: 512 below 2k tokens, 768 for 2k-8k, 1024 above. Stage 1 runs one program per (head block [x value
 half when `d_split` is 2], chunk, sequence) — head blocks fastest, so the programs reading one tile run side
 by side and all but the first hit L2; `KernelConfig.tile_for` gives the block (128 heads on 8 warps in two
-value halves, wgmma, above 16 heads; one 16-row block on 4 warps up to 16) — with an FP32 online softmax
-(base 2) and
-writes the chunk's normalized partial output h_k [d_c] and its natural-log LSE λ_k. Stage 2 folds the
+value halves, wgmma, above 16 heads on sm_90a; 32 heads on 8 warps on sm_80; one 16-row block on 4 warps up
+to 16) — with an FP32 online softmax (base 2, lazily rescaled: see GPU layout) and writes the chunk's
+normalized partial output h_k [d_c] and its natural-log LSE λ_k. Stage 2 folds the
 chunks of each sequence left to right:
 
     g = σ(λ_a − λ_b)             computed in FP32, then rounded to FP16 (ĝ)
@@ -116,6 +136,7 @@ power-of-two width/group runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass, field
@@ -130,10 +151,13 @@ from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
 
 PAGE_TOKENS = 64
+TARGETS = {8: "sm_80", 9: "sm_90a"}  # `KernelConfig.targets` keys by compute capability major
 CKV_FAMILIES = ("fp16", "row", "grouped")  # c_kv parts by how the kernel reads them (`KernelConfig.wide_block_n`)
 _KIND_FP16, _KIND_INT8, _KIND_INT4 = 0, 1, 2
 _LOG2E = 1.4426950408889634
 QUERY_BLOCK_H = 16  # heads per program of the query kernel (stage 0)
+MERGE_BLOCK_D = 128  # channels per program of the merge (stage 2): 16 x 512 spent all 255 registers
+RESCALE_LOG2 = tl.constexpr(8.0)  # lazy softmax rescaling threshold (base-2 exponent): p ≤ 2^8 in FP16
 
 
 @dataclass
@@ -145,6 +169,12 @@ class KernelConfig:
     `block_h` heads and `block_n` tokens per tile of a stage-1 program, on `num_warps` warps, the values split
     over `d_split` programs; at most `narrow_heads` heads run as one narrow block (`tile_for`). Wide blocks
     take their tile length by the c_kv part's family from `wide_block_n` (`block_n_for`).
+    `dequant_scores` lists, for narrow and for wide blocks, the c_kv families whose scores are FP16 dots on the
+    dequantized tile, and by c_kv family the k_pe families scored so (`fp16_scores`); the others score an
+    integer part with INT8 dots and read an FP16 part whole.
+    `targets` maps a GPU target (`TARGETS`: sm_80 for compute capability 8.x, sm_90a for 9.x) to overrides of
+    these settings (`for_target`); devices of other capabilities, and the interpreter, use the settings as
+    written.
     """
 
     version: int = 1
@@ -156,6 +186,13 @@ class KernelConfig:
     d_split: int = 2
     narrow_heads: int = 16
     wide_block_n: dict = field(default_factory=lambda: {"fp16": 16, "row": 32, "grouped": 16})
+    dequant_scores: dict = field(default_factory=lambda: {
+        "narrow": {"c_kv": ["fp16", "row", "grouped"],
+                   "k_pe": {"fp16": ["row", "grouped"], "row": ["row", "grouped"], "grouped": ["row", "grouped"]}},
+        "wide": {"c_kv": ["grouped"],
+                 "k_pe": {"fp16": ["row", "grouped"], "row": ["row", "grouped"], "grouped": ["grouped"]}},
+    })
+    targets: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         pairs = self.split_kv_chunks
@@ -174,6 +211,35 @@ class KernelConfig:
         for name, v in checks + [(f"wide_block_n.{k}", v) for k, v in tiles.items()]:
             if not isinstance(v, int) or v <= 0 or v & (v - 1) or ("block_n" in name and PAGE_TOKENS % v):
                 raise ConfigError(f"kernels: {name} must be a power of two (block_n dividing 64), got {v}")
+        deq = self.dequant_scores
+        fams = set(CKV_FAMILIES)
+        if (not isinstance(deq, dict) or set(deq) != {"narrow", "wide"}
+                or any(not isinstance(v, dict) or set(v) != {"c_kv", "k_pe"} or not isinstance(v["k_pe"], dict)
+                       or set(v["k_pe"]) != fams for v in deq.values())
+                or any(not isinstance(f, (list, tuple)) or set(f) - fams
+                       for v in deq.values() for f in [v["c_kv"], *v["k_pe"].values()])):
+            raise ConfigError(f"kernels: dequant_scores must map narrow and wide to {{c_kv: [families], k_pe: {{c_kv "
+                              f"family: [families]}}}} over {', '.join(CKV_FAMILIES)}, got {deq!r}")
+        if not isinstance(self.targets, dict) or set(self.targets) - set(TARGETS.values()):
+            raise ConfigError(f"kernels: targets must map some of {', '.join(TARGETS.values())} to overrides, "
+                              f"got {self.targets!r}")
+        fields = {f.name for f in dataclasses.fields(self)} - {"version", "targets"}
+        for name, over in self.targets.items():
+            if not isinstance(over, dict) or set(over) - fields:
+                raise ConfigError(f"kernels: targets.{name} may override {', '.join(sorted(fields))}, got {over!r}")
+            self.for_target(name)  # its values are checked as the config they make
+
+    def for_target(self, target: str | None) -> KernelConfig:
+        """The settings for GPU target `target` (a key of `TARGETS`, or None: as written)."""
+        over = self.targets.get(target) if target else None
+        return dataclasses.replace(self, targets={}, **over) if over else self
+
+    def fp16_scores(self, heads: int, ckv_family: str, kpe_family: str | None = None) -> bool:
+        """True when a block of `heads` query heads scores a c_kv part of `ckv_family` (fp16, row, grouped) as
+        FP16 dots on its dequantized tile (`dequant_scores`); with `kpe_family`, the same question for the k_pe
+        part of that family beside such a c_kv part."""
+        deq = self.dequant_scores["narrow" if heads <= self.narrow_heads else "wide"]
+        return ckv_family in deq["c_kv"] if kpe_family is None else kpe_family in deq["k_pe"][ckv_family]
 
     def block_n_for(self, heads: int, ckv_family: str) -> int:
         """Tokens per tile: `block_n` for a narrow block, else `wide_block_n[ckv_family]` (a family of
@@ -336,6 +402,21 @@ def _nibble_codes(raw, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _int8_f16(raw, ASM: tl.constexpr):
+    """The bytes of `raw` (uint8) read as int8 codes q, as FP16 q, exact. ASM: q + 128 (the byte XOR 0x80)
+    is moved into the mantissa of FP16 1024 (prmt with 0x64) and 1152 subtracted, two values per
+    instruction; else a per-element conversion (the interpreter)."""
+    if ASM:
+        v = tl.inline_asm_elementwise(
+            "{ .reg .b32 t, a, b, c; xor.b32 t, $2, 0x80808080; prmt.b32 a, t, 0x64646464, 0x4140; "
+            "prmt.b32 b, t, 0x64646464, 0x4342; mov.b32 c, 0x64806480; sub.f16x2 $0, a, c; sub.f16x2 $1, b, c; }",
+            "=r,=r,r", [raw], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        v = raw.to(tl.int8, bitcast=True).to(tl.float16)
+    return v
+
+
+@triton.jit
 def _nibble_f16(raw, HIGH: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
     """The low or high nibbles n of uint8 `raw` as FP16 n − 8 (SYM) or n, exact. ASM: each nibble pair is
     moved into the mantissas of FP16 1024 (prmt + lop3) and 1024 (+ 8) subtracted, two values per
@@ -435,11 +516,12 @@ def _part_scores(
 @triton.jit
 def half_values(
     row, t_mask, half, KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr, G: tl.constexpr,
-    SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr, ASM: tl.constexpr,
+    SCALE_OFF: tl.constexpr, LO_OFF: tl.constexpr, ASM: tl.constexpr, NIBBLES: tl.constexpr = True,
 ):
-    """Half `half` (0 or 1) of the dequantized c_kv tile, [BN, W/2] FP16, computed in FP32 as the codec's
-    decode and then rounded: channels half·W/2 + j for fp16 / int8, channels 2j + half (one nibble of every
-    byte) for int4, as `half_channels` lists them. `row` [BN] points at each token's first byte."""
+    """Half `half` (0 or 1) of a dequantized row part, [BN, W/2] FP16, computed in FP32 as the codec's decode
+    and then rounded: channels half·W/2 + j for fp16 / int8, and for int4 channels 2j + half (one nibble of
+    every byte; NIBBLES) or half·W/2 + j (both nibbles of half the bytes, interleaved; NIBBLES False), as
+    `half_channels` lists them. `row` [BN] points at each token's first byte of the part."""
     j = tl.arange(0, W // 2)
     if KIND == 0:
         # cast the row pointers before adding channels: the loads stay contiguous (128-bit) along them
@@ -451,14 +533,21 @@ def half_values(
         ctype: tl.constexpr = tl.float32 if ASYM else tl.float16
         # Column j's group: (half·W/2 + j) // G for int8, (2j + half) // G = j // (G/2) for int4; the half's
         # columns fall into NG runs of GJ, so one scale (and zero point) per run is loaded and broadcast.
-        GJ: tl.constexpr = min(G if KIND == 1 else G // 2, W // 2)
+        GJ: tl.constexpr = min(G if KIND == 1 or not NIBBLES else G // 2, W // 2)
         NG: tl.constexpr = W // 2 // GJ
         if KIND == 1:
             raw = tl.load(row[:, None] + (half * (W // 2) + j)[None, :], mask=t_mask[:, None], other=0)
             if ASYM:
                 q = raw.to(ctype)
             else:
-                q = raw.to(tl.int8, bitcast=True).to(ctype)
+                q = _int8_f16(raw, ASM)
+            grp = (half * (W // 2) + tl.arange(0, NG) * GJ) // G
+        elif not NIBBLES:
+            raw = tl.load(row[:, None] + (half * (W // 4) + tl.arange(0, W // 4))[None, :], mask=t_mask[:, None],
+                          other=0)
+            lo = _nibble_f16(raw, False, not ASYM, ASM)
+            hi = _nibble_f16(raw, True, not ASYM, ASM)
+            q = tl.interleave(lo, hi).to(ctype)
             grp = (half * (W // 2) + tl.arange(0, NG) * GJ) // G
         else:
             raw = tl.load(row[:, None] + j[None, :], mask=t_mask[:, None], other=0)
@@ -478,12 +567,32 @@ def half_values(
 
 
 @triton.jit
-def half_channels(half, KIND: tl.constexpr, W: tl.constexpr):
+def _computed_once(v, ASM: tl.constexpr):
+    """`v` unchanged. ASM: through an identity that Triton may not duplicate (inline PTX with side effects), so
+    a dequantized tile feeding two dots is computed once and reaches both dot layouts by conversion (shared
+    memory), instead of being recomputed in each dot's register layout."""
+    if ASM:
+        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.float16, is_pure=False, pack=2)
+    return v
+
+
+@triton.jit
+def half_channels(half, KIND: tl.constexpr, W: tl.constexpr, NIBBLES: tl.constexpr = True):
     """Output channels [W/2] of `half_values`' columns."""
     j = tl.arange(0, W // 2)
-    if KIND == 2:
+    if KIND == 2 and NIBBLES:
         return 2 * j + half
     return half * (W // 2) + j
+
+
+@triton.jit
+def _query_halves(q_row, h_mask, KIND: tl.constexpr, W: tl.constexpr):
+    """The query channels of a part's two contiguous halves (`half_values` with NIBBLES False), FP16
+    ([BH, W/2], [BH, W/2]); `q_row` [BH] points at the part's first channel."""
+    c = tl.arange(0, W // 2)
+    qa = tl.load(q_row[:, None] + c[None, :], mask=h_mask[:, None], other=0.0).to(tl.float16)
+    qb = tl.load(q_row[:, None] + (c + W // 2)[None, :], mask=h_mask[:, None], other=0.0).to(tl.float16)
+    return qa, qb
 
 
 @triton.jit
@@ -495,14 +604,12 @@ def tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE:
 
 
 @triton.jit
-def page_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, t0, PAGE: tl.constexpr, ROW_BYTES: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    """Byte pointers [BN] of tokens t0 .. t0 + BN − 1 of sequence b when the tile lies in one page (BN divides
-    PAGE, t0 a multiple of BN): one block-table entry, a scalar base plus loop-invariant row offsets, so
-    the addresses of the tile's loads cost no per-token arithmetic (rows past the sequence stay in the page's
-    allocated memory; the loads mask them)."""
+def page_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, t0, idx, PAGE: tl.constexpr, ROW_BYTES: tl.constexpr):
+    """Byte pointers [BN] of tokens t0 + idx (idx [BN] in [0, BN)) of sequence b when the tile lies in one page
+    (BN divides PAGE, t0 a multiple of BN): one block-table entry, a scalar base plus loop-invariant row
+    offsets, so the addresses of the tile's loads cost no per-token arithmetic."""
     block = tl.load(bt_ptr + b * stride_bt + t0 // PAGE).to(tl.int64)
-    return pool_ptr + block * stride_pool + (t0 % PAGE) * ROW_BYTES + tl.arange(0, BLOCK_N) * ROW_BYTES
+    return pool_ptr + block * stride_pool + (t0 % PAGE) * ROW_BYTES + idx * ROW_BYTES
 
 
 @triton.jit
@@ -578,45 +685,73 @@ def _tile_step(
     qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool, stride_bt, qk_scale,
     PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
     C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
-    C_LOFF: tl.constexpr,
+    C_LOFF: tl.constexpr, C_F16: tl.constexpr,
     R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
-    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr,
+    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr, R_F16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BOTH: tl.constexpr, ASM: tl.constexpr,
 ):
     """Fold tokens t0 .. t0 + BN − 1 (those in `t_mask` [BN]) into the online softmax (m_i, l_i, acc_a, acc_b):
     see `_chunk_loop`."""
-    offs_t = t0 + tl.arange(0, BLOCK_N)
+    # A token past the range reads the tile's first token instead (always in range), so no load is masked
+    # (fewer live predicates in the partial tile) and nothing past the sequence is read; its score is −inf.
+    idx = tl.where(t_mask, tl.arange(0, BLOCK_N), 0)
+    every = tl.full([BLOCK_N], 1, dtype=tl.int1)
     if PAGE % BLOCK_N == 0:
-        row = page_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, t0, PAGE, ROW_BYTES, BLOCK_N)
+        row = page_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, t0, idx, PAGE, ROW_BYTES)
     else:
-        row = tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES)
-    if C_KIND == 0 and BOTH:
-        # an FP16 c_kv tile is read once, as its two halves: K for the scores and V for P·V
-        va = half_values(row, t_mask, 0, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
-        vb = half_values(row, t_mask, 1, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
+        row = tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, t0 + idx, every, PAGE, ROW_BYTES)
+    if C_F16:
+        # the c_kv tile is read (and dequantized) once, as its two halves: K for the scores and V for P·V
+        va = half_values(row, every, 0, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM, False)
+        if C_KIND != 0:
+            va = _computed_once(va, ASM)
         s = tl.dot(qc8[0], tl.trans(va), out_dtype=tl.float32)
+        vb = half_values(row, every, 1, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM, False)
+        if C_KIND != 0:
+            vb = _computed_once(vb, ASM)
         s = tl.dot(qc8[1], tl.trans(vb), s, out_dtype=tl.float32) * qk_scale
     else:
-        s = _part_scores(qc8, qcs, qcsum, row, t_mask, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF,
+        s = _part_scores(qc8, qcs, qcsum, row, every, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF,
                          BLOCK_H, BLOCK_N, ASM, qk_scale)
-    s += _part_scores(qr8, qrs, qrsum, row + R_OFF, t_mask, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF,
-                      BLOCK_H, BLOCK_N, ASM, qk_scale)
+    if R_F16:
+        ka = half_values(row + R_OFF, every, 0, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF, ASM, False)
+        kb = half_values(row + R_OFF, every, 1, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF, ASM, False)
+        sr = tl.dot(qr8[0], tl.trans(ka), out_dtype=tl.float32)
+        s += tl.dot(qr8[1], tl.trans(kb), sr, out_dtype=tl.float32) * qk_scale
+    else:
+        s += _part_scores(qr8, qrs, qrsum, row + R_OFF, every, R_KIND, R_ASYM, R_W, R_G, R_SOFF, R_LOFF,
+                          BLOCK_H, BLOCK_N, ASM, qk_scale)
     s = tl.where(t_mask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    m_tile = tl.max(s, axis=1)
+    # Lazy rescaling: the running max m_i moves (and the accumulators are rescaled) only when some head's
+    # tile max exceeds it by more than RESCALE_LOG2, so p = 2^(s - m_i) ≤ 2^RESCALE_LOG2 stays far inside FP16.
+    grow = tl.max((m_tile > m_i + RESCALE_LOG2).to(tl.int32), axis=0)
+    if grow > 0:
+        m_new = tl.maximum(m_i, m_tile)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc_a = acc_a * alpha[:, None]
+        if BOTH:
+            acc_b = acc_b * alpha[:, None]
+        m_i = m_new
+    p = tl.exp2(s - m_i[:, None])
+    l_i = l_i + tl.sum(p, axis=1)
     p16 = p.to(tl.float16)
-    if C_KIND == 0 and BOTH:
-        acc_a = acc_a * alpha[:, None] + tl.dot(p16, va, out_dtype=tl.float32)
-        acc_b = acc_b * alpha[:, None] + tl.dot(p16, vb, out_dtype=tl.float32)
+    if C_F16:
+        if BOTH:
+            acc_a = tl.dot(p16, va, acc_a, out_dtype=tl.float32)
+            acc_b = tl.dot(p16, vb, acc_b, out_dtype=tl.float32)
+        elif HALF == 0:
+            acc_a = tl.dot(p16, va, acc_a, out_dtype=tl.float32)
+        else:
+            acc_a = tl.dot(p16, vb, acc_a, out_dtype=tl.float32)
     else:
         v = half_values(row, t_mask, HALF, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
-        acc_a = acc_a * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
+        acc_a = tl.dot(p16, v, acc_a, out_dtype=tl.float32)
         if BOTH:
             v = half_values(row, t_mask, 1, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM)
-            acc_b = acc_b * alpha[:, None] + tl.dot(p16, v, out_dtype=tl.float32)
-    return m_new, l_i, acc_a, acc_b
+            acc_b = tl.dot(p16, v, acc_b, out_dtype=tl.float32)
+    return m_i, l_i, acc_a, acc_b
 
 
 @triton.jit
@@ -624,9 +759,9 @@ def _chunk_loop(
     qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool, stride_bt, start, end, qk_scale,
     PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
     C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
-    C_LOFF: tl.constexpr,
+    C_LOFF: tl.constexpr, C_F16: tl.constexpr,
     R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
-    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr,
+    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr, R_F16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BOTH: tl.constexpr, ASM: tl.constexpr,
 ):
     """The token loop of one stage-1 program over tokens [start, end): (m_i [BH] base 2, l_i [BH], acc_a
@@ -645,13 +780,14 @@ def _chunk_loop(
         m_i, l_i, acc_a, acc_b = _tile_step(
             m_i, l_i, acc_a, acc_b, whole, (whole + tl.arange(0, BLOCK_N)) < end, qc8, qcs, qcsum, qr8, qrs, qrsum,
             pool_ptr, bt_ptr, b, stride_pool, stride_bt, qk_scale, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G,
-            C_SOFF, C_LOFF, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, HALF, BOTH, ASM)
+            C_SOFF, C_LOFF, C_F16, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H, BLOCK_N, HALF, BOTH,
+            ASM)
     every = tl.full([BLOCK_N], 1, dtype=tl.int1)
     for t0 in range(start, whole, BLOCK_N):
         m_i, l_i, acc_a, acc_b = _tile_step(
             m_i, l_i, acc_a, acc_b, t0, every, qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool,
-            stride_bt, qk_scale, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF, R_KIND, R_ASYM, R_W,
-            R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, HALF, BOTH, ASM)
+            stride_bt, qk_scale, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF, C_F16, R_KIND, R_ASYM, R_W,
+            R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H, BLOCK_N, HALF, BOTH, ASM)
     return m_i, l_i, acc_a, acc_b
 
 
@@ -662,9 +798,9 @@ def _partial_kernel(
     H, chunk_tokens, qk_scale,
     PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
     C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
-    C_LOFF: tl.constexpr,
+    C_LOFF: tl.constexpr, C_F16: tl.constexpr,
     R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
-    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr, NG: tl.constexpr,
+    R_SOFF: tl.constexpr, R_LOFF: tl.constexpr, R_F16: tl.constexpr, NG: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_SPLIT: tl.constexpr, ASM: tl.constexpr,
 ):
     """Stage 1: one (head block, value half when D_SPLIT = 2, chunk, sequence) -> normalized partial
@@ -685,38 +821,41 @@ def _partial_kernel(
     q_row = q_ptr + b * stride_qb + offs_h * stride_qh
     bh = (b * H + offs_h).to(tl.int64)
     q8_row = q8_ptr + bh * (D_C + R_W)
-    NC: tl.constexpr = D_C // C_G if C_KIND != 0 else 0
-    if C_KIND == 0 and D_SPLIT == 1:  # the query in the two halves the c_kv tile is read in
-        qa, _, _ = query_part(q_row, h_mask, C_KIND, D_C // 2, C_G)
-        qb, _, _ = query_part(q_row + D_C // 2, h_mask, C_KIND, D_C // 2, C_G)
-        qc8, qcs, qcsum = (qa[0], qb[0]), (), ()
+    NC: tl.constexpr = D_C // C_G if C_KIND != 0 and not C_F16 else 0
+    if C_F16:  # the FP16 query in the two halves the c_kv tile is read in
+        qc8 = _query_halves(q_row, h_mask, C_KIND, D_C)
+        qcs, qcsum = (), ()
     else:
         qc8, qcs, qcsum = staged_query_part(q_row, q8_row, qs_ptr + bh * NG, qsum_ptr + bh * NG, h_mask, C_KIND,
                                             D_C, C_G)
-    qr8, qrs, qrsum = staged_query_part(q_row + D_C, q8_row + D_C, qs_ptr + bh * NG + NC, qsum_ptr + bh * NG + NC,
-                                        h_mask, R_KIND, R_W, R_G)
+    if R_F16:
+        qr8 = _query_halves(q_row + D_C, h_mask, R_KIND, R_W)
+        qrs, qrsum = (), ()
+    else:
+        qr8, qrs, qrsum = staged_query_part(q_row + D_C, q8_row + D_C, qs_ptr + bh * NG + NC,
+                                            qsum_ptr + bh * NG + NC, h_mask, R_KIND, R_W, R_G)
     loop_args = (qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool, stride_bt, start, end,
                  qk_scale)
     if D_SPLIT == 1:
         m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
-                                             R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, 0,
-                                             True, ASM)
+                                             C_F16, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H,
+                                             BLOCK_N, 0, True, ASM)
     elif half0 == 0:
         m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
-                                             R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, 0,
-                                             False, ASM)
+                                             C_F16, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H,
+                                             BLOCK_N, 0, False, ASM)
     else:
         m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
-                                             R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, BLOCK_H, BLOCK_N, 1,
-                                             False, ASM)
+                                             C_F16, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H,
+                                             BLOCK_N, 1, False, ASM)
 
     # Broadcast before comparing: the interpreter mistypes `bool tensor & bool scalar`.
     live = h_mask & ((start + tl.zeros_like(offs_h)) < seq_len)
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os
-    tl.store(out + half_channels(half0, C_KIND, D_C)[None, :], acc_a / safe_l[:, None], mask=live[:, None])
+    tl.store(out + half_channels(half0, C_KIND, D_C, not C_F16)[None, :], acc_a / safe_l[:, None], mask=live[:, None])
     if D_SPLIT == 1:
-        tl.store(out + half_channels(1, C_KIND, D_C)[None, :], acc_b / safe_l[:, None], mask=live[:, None])
+        tl.store(out + half_channels(1, C_KIND, D_C, not C_F16)[None, :], acc_b / safe_l[:, None], mask=live[:, None])
     lse = (m_i + tl.log2(safe_l)) * 0.6931471805599453
     tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh + split, lse,
              mask=live & ((half0 + tl.zeros_like(offs_h)) == 0))
@@ -727,13 +866,14 @@ def _merge_kernel(
     part_ptr, plse_ptr, lens_ptr, out_ptr, lse_ptr,
     stride_pb, stride_ph, stride_ps, stride_plb, stride_plh, stride_pls,
     stride_ob, stride_oh, stride_lb, stride_lh,
-    H, chunk_tokens, D_C: tl.constexpr, BLOCK_H: tl.constexpr,
+    H, chunk_tokens, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Stage 2: fold a sequence's chunk partials with the FP16 sigmoid gate (module docstring)."""
+    """Stage 2: fold a sequence's chunk partials with the FP16 sigmoid gate (module docstring), BLOCK_D of the
+    channels per program (program_id(2)); the first channel block stores the LSE."""
     b = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
-    c = tl.arange(0, D_C)
+    c = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     n_chunks = tl.cdiv(tl.load(lens_ptr + b), chunk_tokens)
     have = h_mask & ((n_chunks + tl.zeros_like(offs_h)) > 0)
     part = part_ptr + b * stride_pb + offs_h[:, None] * stride_ph + c[None, :]
@@ -748,7 +888,8 @@ def _merge_kernel(
         mx = tl.maximum(lse, lse_b)
         lse = mx + tl.log(tl.exp(lse - mx) + tl.exp(lse_b - mx))
     tl.store(out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + c[None, :], h, mask=h_mask[:, None])
-    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh, lse, mask=h_mask)
+    first = (tl.program_id(2) + tl.zeros_like(offs_h)) == 0  # broadcast first: see `_partial_kernel`
+    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh, lse, mask=h_mask & first)
 
 
 # ------------------------------------------------------------------------------------------ host side
@@ -850,6 +991,16 @@ def schedule_chunk(config: KernelConfig, batch: int, heads: int, longest: int, n
     return max(c for c, t in cost.items() if t <= 1.1 * best) * PAGE_TOKENS
 
 
+def device_target(device: torch.device) -> str | None:
+    """The `KernelConfig.targets` key of a CUDA device (by compute capability major), None if none."""
+    return TARGETS.get(_capability(device.index or 0)[0])
+
+
+@functools.lru_cache(maxsize=8)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 @functools.lru_cache(maxsize=8)
 def sm_count(device_index: int) -> int:
     """Streaming multiprocessors of CUDA device `device_index` (read once)."""
@@ -902,11 +1053,26 @@ def _int_groups(c: _Part, r: _Part) -> int:
     return sum(p.width // p.group for p in (c, r) if p.kind != _KIND_FP16)
 
 
-def query_launch(q: Tensor, codec, d_c: int, scale: float, on_gpu: bool) -> tuple[Launch | None, tuple]:
-    """Stage 0 for checked inputs: (launch, (q8 int8 [B, H, d_c + d_r], qs fp32 [B, H, NG], Σq8 int32
-    [B, H, NG])), allocated on q's device unwritten; (None, (q, q, q)) when no part is integer (stage 1
-    then reads q only; the three are placeholders)."""
+def scored_parts(codec, heads: int, config: KernelConfig, on_gpu: bool) -> tuple[_Part, _Part, bool, bool]:
+    """(c_kv part, k_pe part, c_kv scored in FP16, k_pe scored in FP16) for a block of `heads` heads: a part
+    whose family `config.fp16_scores` lists is scored as FP16 dots on its dequantized tile, with the query
+    rounded to FP16; the others (integer) with INT8 dots on the query `_query_kernel` quantizes."""
     c, r = codec_parts(codec, on_gpu)
+    return c, r, config.fp16_scores(heads, c.family), config.fp16_scores(heads, c.family, r.family)
+
+
+def _as_int_scored(c: _Part, r: _Part, fp16_c: bool, fp16_r: bool) -> tuple[_Part, _Part]:
+    """The parts as the query kernel sees them: an FP16-scored part counts as FP16 (no query codes)."""
+    return (dataclasses.replace(c, kind=_KIND_FP16) if fp16_c else c,
+            dataclasses.replace(r, kind=_KIND_FP16) if fp16_r else r)
+
+
+def query_launch(q: Tensor, codec, d_c: int, scale: float, config: KernelConfig, on_gpu: bool
+                 ) -> tuple[Launch | None, tuple]:
+    """Stage 0 for checked inputs: (launch, (q8 int8 [B, H, d_c + d_r], qs fp32 [B, H, NG], Σq8 int32
+    [B, H, NG])), allocated on q's device unwritten; (None, (q, q, q)) when no part is scored with INT8
+    dots (`scored_parts`; stage 1 then reads q only; the three are placeholders)."""
+    c, r = _as_int_scored(*scored_parts(codec, q.shape[1], config, on_gpu))
     n_groups = _int_groups(c, r)
     if not n_groups:
         return None, (q, q, q)
@@ -928,8 +1094,8 @@ def stage1_launch(
     """The stage-1 launch for checked inputs (q contiguous along channels, `staged` = `query_launch`'s
     buffers, int32 indices, `chunk` resolved): (launch, partials [B, H, S, d_c] fp32, lse [B, H, S] fp32),
     both allocated on q's device unwritten."""
-    c, r = codec_parts(codec, on_gpu)
     bsz, heads = q.shape[:2]
+    c, r, fp16_c, fp16_r = scored_parts(codec, heads, config, on_gpu)
     n_split = max(1, triton.cdiv(longest, chunk))
     parts = torch.empty(bsz, heads, n_split, d_c, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, heads, n_split, dtype=torch.float32, device=q.device)
@@ -943,9 +1109,9 @@ def stage1_launch(
     )
     kwargs = dict(
         PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, D_C=d_c,
-        C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset,
+        C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset, C_F16=fp16_c,
         R_KIND=r.kind, R_ASYM=r.asym, R_W=r.width, R_G=r.group, R_OFF=r.offset,
-        R_SOFF=r.scale_offset, R_LOFF=r.lo_offset, NG=_int_groups(c, r),
+        R_SOFF=r.scale_offset, R_LOFF=r.lo_offset, R_F16=fp16_r, NG=_int_groups(*_as_int_scored(c, r, fp16_c, fp16_r)),
         BLOCK_H=block_h, BLOCK_N=config.block_n_for(heads, c.family), D_SPLIT=d_split, ASM=on_gpu, num_warps=warps,
         num_stages=config.num_stages,
     )
@@ -960,8 +1126,8 @@ def mla_decode_partials(
 
     Chunk k of sequence b covers tokens [k*chunk, min((k+1)*chunk, len_b)); entries of chunks at or past
     a sequence's end are left unwritten (garbage), `merge_gated_fp16` never reads them."""
-    config = config or _packaged_config()
     on_gpu = _check_device(q)
+    config = (config or _packaged_config()).for_target(device_target(q.device) if on_gpu else None)
     inputs = DecodeInputs(q, pool, _int32(block_table), _int32(seq_lens), codec, d_c)
     inputs.check_kernel_layout()
     block_table, seq_lens = inputs.block_table, inputs.seq_lens
@@ -972,7 +1138,7 @@ def mla_decode_partials(
         q = q.float()  # the interpreter has no bf16 arithmetic
     if q.stride(-1) != 1:
         q = q.contiguous()
-    stage0, staged = query_launch(q, codec, d_c, scale, on_gpu)
+    stage0, staged = query_launch(q, codec, d_c, scale, config, on_gpu)
     launch, parts, lse = stage1_launch(q, staged, pool, block_table, seq_lens, codec, d_c, scale, chunk, longest,
                                        config, on_gpu)
     if q.shape[0] and q.shape[1]:
@@ -982,15 +1148,17 @@ def mla_decode_partials(
     return parts, lse, chunk
 
 
-def merge_launch(parts: Tensor, lse_parts: Tensor, seq_lens: Tensor, chunk_tokens: int, block_h: int = 16
-                 ) -> tuple[Launch, Tensor, Tensor]:
-    """The stage-2 launch: (launch, out [B, H, D] fp32, lse [B, H] fp32) for [B, H, S, D] partials."""
+def merge_launch(parts: Tensor, lse_parts: Tensor, seq_lens: Tensor, chunk_tokens: int, block_h: int = 16,
+                 block_d: int = MERGE_BLOCK_D) -> tuple[Launch, Tensor, Tensor]:
+    """The stage-2 launch: (launch, out [B, H, D] fp32, lse [B, H] fp32) for [B, H, S, D] partials, in programs
+    of `block_h` heads x `block_d` channels."""
     bsz, heads, _, dim = parts.shape
     if dim & (dim - 1):
         raise BackendError(f"merge_gated_fp16: width {dim} must be a power of two")
     out = torch.empty(bsz, heads, dim, dtype=torch.float32, device=parts.device)
     lse = torch.empty(bsz, heads, dtype=torch.float32, device=parts.device)
     block_h = min(block_h, max(1, triton.next_power_of_2(heads)))
+    block_d = min(block_d, dim)
     args = (
         parts, lse_parts, seq_lens, out, lse,
         parts.stride(0), parts.stride(1), parts.stride(2),
@@ -998,7 +1166,8 @@ def merge_launch(parts: Tensor, lse_parts: Tensor, seq_lens: Tensor, chunk_token
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         heads, int(chunk_tokens),
     )
-    return Launch(_merge_kernel, (bsz, triton.cdiv(heads, block_h), 1), args, dict(D_C=dim, BLOCK_H=block_h)), out, lse
+    grid = (bsz, triton.cdiv(heads, block_h), dim // block_d)
+    return Launch(_merge_kernel, grid, args, dict(BLOCK_H=block_h, BLOCK_D=block_d)), out, lse
 
 
 def merge_gated_fp16(
@@ -1036,7 +1205,7 @@ def mla_decode(
 
 
 __all__ = [
-    "supports", "Launch", "query_launch", "stage1_launch", "merge_launch",
+    "supports", "Launch", "query_launch", "stage1_launch", "merge_launch", "scored_parts", "device_target",
     "KernelConfig", "load_kernel_config", "mla_decode", "mla_decode_partials", "merge_gated_fp16",
-    "interpreter_active", "PAGE_TOKENS",
+    "interpreter_active", "PAGE_TOKENS", "TARGETS",
 ]

@@ -33,6 +33,46 @@ def effective_query(q: Tensor, codec, fp16_query: bool = True) -> Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def kernel_reference(
+    q: Tensor, pool: Tensor, block_table: Tensor, seq_lens: Tensor, codec, d_c: int, scale: float, config=None,
+) -> tuple[Tensor, Tensor]:
+    """FP64 mirror of what the Triton decode computes on the same paged cache, without its split-KV merge:
+    (out [B, H, d_c] fp32, lse [B, H] fp32); an empty sequence gives 0, -inf.
+
+    Scores use the kernel's operands (`scored_parts`): a part scored as FP16 dots on its dequantized tile
+    with the query and the decoded keys rounded to FP16; other integer parts with the query
+    `quantize_query` makes (`effective_query`) and exact keys; other FP16 parts with the query rounded; P·V
+    with the decoded values rounded to FP16, as `half_values` makes
+    them. `config`: the `KernelConfig` the kernel ran with (None: the packaged one)."""
+    from mlaquant.kernels import mla_decode as K  # lazily: tests set TRITON_INTERPRET before triton loads
+
+    config = K.load_kernel_config(config)
+    _, _, fp16_c, fp16_r = K.scored_parts(codec, q.shape[1], config, on_gpu=False)
+    q_eff = effective_query(q, codec).double()
+    if fp16_c:
+        q_eff[..., :d_c] = q[..., :d_c].half().double()
+    if fp16_r:
+        q_eff[..., d_c:] = q[..., d_c:].half().double()
+    bsz, heads = q.shape[:2]
+    page = pool.shape[1]
+    out = torch.zeros(bsz, heads, d_c, dtype=torch.float64)
+    lse = torch.full((bsz, heads), float("-inf"), dtype=torch.float64)
+    for b, n in enumerate(seq_lens.tolist()):
+        if not n:
+            continue
+        t = torch.arange(n)
+        rows = codec.decode(pool[block_table[b, t // page].long(), t % page]).double()  # [n, d_c + d_r]
+        keys, values = rows.clone(), rows[:, :d_c].half().double()
+        if fp16_c:
+            keys[:, :d_c] = values
+        if fp16_r:
+            keys[:, d_c:] = rows[:, d_c:].half().double()
+        scores = scale * q_eff[b] @ keys.T  # [H, n]
+        lse[b] = torch.logsumexp(scores, -1)
+        out[b] = torch.softmax(scores, -1) @ values
+    return out.float(), lse.float()
+
+
 def merge_gated_fp16_reference(out_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:
     """Torch mirror of the kernel's stage 2 (`merge_gated_fp16`): fold S partials [..., S, D] / LSEs [..., S]
     left to right with the FP16 sigmoid gate -> ([..., D] fp32, [...] fp32). Same arithmetic as

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from mlaquant.codecs import LayerCodec
-from mlaquant.ops import mla_decode_reference
 from tests.closeness import assert_close
-from tests.reference import effective_query
+from tests.reference import kernel_reference
 
 os.environ["TRITON_INTERPRET"] = "1"
 K = pytest.importorskip("mlaquant.kernels.mla_decode")
@@ -31,13 +30,13 @@ C_KV = ["fp16", "int8-row", "int8-row-asym", "int8-g32", "int8-g32-asym", "int4-
 @triton.jit
 def _values_probe(pool_ptr, out_ptr, KIND: tl.constexpr, ASYM: tl.constexpr, W: tl.constexpr,
                   G: tl.constexpr, SOFF: tl.constexpr, LOFF: tl.constexpr, ROW_BYTES: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  BLOCK_N: tl.constexpr, NIBBLES: tl.constexpr):
     offs_t = tl.arange(0, BLOCK_N)
     row = pool_ptr + offs_t * ROW_BYTES
     t_mask = offs_t < BLOCK_N
     for half in tl.static_range(2):
-        v = K.half_values(row, t_mask, half, KIND, ASYM, W, G, SOFF, LOFF, False)
-        cols = K.half_channels(half, KIND, W)
+        v = K.half_values(row, t_mask, half, KIND, ASYM, W, G, SOFF, LOFF, False, NIBBLES)
+        cols = K.half_channels(half, KIND, W, NIBBLES)
         tl.store(out_ptr + offs_t[:, None] * W + cols[None, :], v)
 
 
@@ -65,14 +64,22 @@ def _rows(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, D_C + D_R, generator=gen) * chan + 0.3 * torch.randn(D_C + D_R, generator=gen)
 
 
+@pytest.mark.parametrize("nibbles", [True, False], ids=["nibble_halves", "contiguous_halves"])
 @pytest.mark.parametrize("ckv", C_KV)
-def test_dequantization_is_bit_exact(ckv):
+def test_dequantization_is_bit_exact(ckv, nibbles):
+    """Both half layouts (int4: low / high nibbles, or contiguous channels for the FP16-scored path), including
+    the lowest codes (−128, −8) and negative scales the symmetric codec writes."""
     codec = LayerCodec.from_names(ckv, "fp16", D_C, D_R)
     pool = codec.encode(_rows(N, seed=len(ckv)))
     c, _ = K.codec_parts(codec, on_gpu=False)
+    if codec.ckv.spec.symmetric and c.kind != 0:
+        codes = pool[:, : codec.ckv.layout.code_bytes]
+        low = (codes == 0x80) if c.kind == 1 else ((codes & 15) == 0) | ((codes >> 4) == 0)
+        scales = pool[:, c.scale_offset : c.scale_offset + 2 * codec.ckv.layout.n_groups].contiguous()
+        assert low.any() and (scales.view(torch.float16) < 0).any()
     out = torch.full((N, D_C), float("nan"), dtype=torch.float16)
     _values_probe[(1,)](pool, out, KIND=c.kind, ASYM=c.asym, W=D_C, G=c.group, SOFF=c.scale_offset,
-                        LOFF=c.lo_offset, ROW_BYTES=codec.row_bytes, BLOCK_N=N)
+                        LOFF=c.lo_offset, ROW_BYTES=codec.row_bytes, BLOCK_N=N, NIBBLES=nibbles)
     want = codec.decode(pool)[:, :D_C].half()
     assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (out - want).abs().max()
 
@@ -103,7 +110,7 @@ def test_value_split_programs_match_reference(codec_name):
     pool, table, lens = build_cache(codec, (65, 130), seed=3)
     q = _query(2, 4, seed=5)
     out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE, 64, config)
-    ref_out, ref_lse = mla_decode_reference(effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = kernel_reference(q, pool, table, lens, codec, D_C, SCALE, config)
     assert torch.isfinite(out).all()
     assert_close(out, ref_out, max_rel=2e-3, min_cosine=0.9999, what="out")
     assert_close(lse, ref_lse, max_abs=2e-5, what="lse")

@@ -18,7 +18,7 @@ from mlaquant.errors import BackendError
 from mlaquant.ops import mla_decode as ops_mla_decode
 from mlaquant.ops import mla_decode_reference
 from tests.closeness import assert_close
-from tests.reference import effective_query, merge_error_bound, merge_gated_fp16_reference, quantize_query
+from tests.reference import kernel_reference, merge_error_bound, merge_gated_fp16_reference, quantize_query
 
 # triton.jit picks the CPU interpreter at decoration time, also for triton's own library functions, so the
 # variable must be set before triton is first imported; it stays set (tests that need it unset monkeypatch).
@@ -72,10 +72,10 @@ def _rows(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(n, D_C + D_R, generator=gen) * chan + 0.3 * torch.randn(D_C + D_R, generator=gen)
 
 
-def build_cache(codec: LayerCodec, seq_lens, seed: int = 0, shuffle: bool = True, page: int = PAGE):
-    """(pool, block_table, seq_lens) holding random rows on pages of `page` tokens. shuffle: blocks scattered
-    among spare blocks, free bytes 0xFF (NaN in every codec), unused table entries -1 or a spare block; else
-    in order, zero-filled."""
+def build_cache(codec: LayerCodec, seq_lens, seed: int = 0, shuffle: bool = True, page: int = PAGE, rows=None):
+    """(pool, block_table, seq_lens) holding random rows (or `rows(n, gen)`) on pages of `page` tokens.
+    shuffle: blocks scattered among spare blocks, free bytes 0xFF (NaN in every codec), unused table entries -1
+    or a spare block; else in order, zero-filled."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // page) for n in seq_lens]
     n_blocks = sum(need) + (3 if shuffle else 0)
@@ -86,7 +86,7 @@ def build_cache(codec: LayerCodec, seq_lens, seed: int = 0, shuffle: bool = True
     table = torch.full((len(seq_lens), max(need) + 1), -1, dtype=torch.int32)
     for b, n in enumerate(seq_lens):
         mine, ids = ids[: need[b]], ids[need[b] :]
-        enc = codec.encode(_rows(n, gen))
+        enc = codec.encode((rows or _rows)(n, gen))
         for j, blk in enumerate(mine):
             seg = enc[j * page : (j + 1) * page]
             pool[blk, : len(seg)] = seg
@@ -125,7 +125,7 @@ def test_kernel_matches_reference(codec_name, case, heads):
     assert out.shape == (len(case.seq_lens), heads, D_C) and out.dtype == torch.float32
     assert lse.shape == (len(case.seq_lens), heads) and lse.dtype == torch.float32
     # Same quantized cache, same (kernel-quantized) query: only the kernel's own arithmetic differs.
-    ref_out, ref_lse = mla_decode_reference(effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = kernel_reference(q, pool, table, lens, codec, D_C, SCALE, config)
     _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
     # Against the unquantized FP32 query: the INT8 query quantization is the only addition.
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
@@ -143,7 +143,7 @@ def test_wide_head_blocks(codec_name, d_split):
     config = K.KernelConfig(block_n=64, narrow_heads=2, block_h=8, d_split=d_split)
     assert config.tile_for(12, on_gpu=False) == (8, 8, d_split)
     out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE, 64, config)
-    ref_out, ref_lse = mla_decode_reference(effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = kernel_reference(q, pool, table, lens, codec, D_C, SCALE, config)
     _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
 
 
@@ -156,7 +156,7 @@ def test_pages_other_than_64_tokens(codec_name, page):
     pool, table, lens = build_cache(codec, (300, 70), seed=5, page=page)
     q = _query(2, 4, seed=5)
     out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE, 128)
-    ref_out, ref_lse = mla_decode_reference(effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = kernel_reference(q, pool, table, lens, codec, D_C, SCALE, None)
     _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
 
 
@@ -253,6 +253,105 @@ def _dot_codes(code_bytes: torch.Tensor, rc) -> torch.Tensor:
     return nib - 8 if rc.spec.symmetric else nib
 
 
+# Scoring paths under the interpreter: the shipped narrow blocks (every integer part FP16-scored), wide blocks
+# (grouped parts FP16-scored, row-wise c_kv through INT8 dots, values in one or two programs), and every part
+# through INT8 dots (no `dequant_scores`), each against the kernel reference.
+_NO_DEQUANT = {"narrow": {"c_kv": ["fp16"], "k_pe": {f: [] for f in K.CKV_FAMILIES}},
+               "wide": {"c_kv": [], "k_pe": {f: [] for f in K.CKV_FAMILIES}}}
+SCORING = {
+    "narrow": K.KernelConfig(block_n=64),
+    "wide_split": K.KernelConfig(block_n=64, narrow_heads=2, block_h=8, d_split=2),
+    "wide_unsplit": K.KernelConfig(block_n=64, narrow_heads=2, block_h=8, d_split=1),
+    "int8_dots": K.KernelConfig(block_n=64, dequant_scores=_NO_DEQUANT),
+}
+
+
+def _sym_extremes(pool: torch.Tensor, rc, offset: int) -> tuple[bool, bool]:
+    """(some code is the lowest level, −128 / −8; some FP16 scale is negative) in part `rc` of the pool's rows,
+    read from the byte layout of the kernel docstring."""
+    raw = pool.reshape(-1, pool.shape[-1])[:, offset : offset + rc.layout.row_bytes]
+    codes = raw[:, : rc.layout.code_bytes]
+    low = (codes == 0x80) if rc.spec.kind == "int8" else ((codes & 15) == 0) | ((codes >> 4) == 0)
+    off = rc.layout.scale_offset
+    scales = raw[:, off : off + 2 * rc.layout.n_groups].contiguous().view(torch.float16)
+    return bool(low.any()), bool((scales < 0).any())
+
+
+@pytest.mark.parametrize("config_name", list(SCORING))
+@pytest.mark.parametrize("codec_name", ["int8-g32/int8-g16", "int4-g32/int4-g16", "int4-row/int8-row",
+                                        "int8-g16-asym/int4-g16"])
+def test_scoring_paths_with_extreme_codes(codec_name, config_name):
+    """Codes on the lowest level (−128, −8) and negative scales (the symmetric codec puts a positive extreme
+    on −(qmax+1)), NaN in every free slot, scattered blocks, tiles past the sequence end."""
+    codec = LayerCodec.from_names(*codec_name.split("/"), D_C, D_R)
+    pool, table, lens = build_cache(codec, (150, 37), seed=12)
+    for rc, off in ((codec.ckv, 0), (codec.kpe, codec.layout.kpe_offset)):
+        if rc.spec.symmetric:
+            live = torch.cat([pool[table[b, : -(-n // PAGE)].long()] for b, n in enumerate(lens.tolist())])
+            assert _sym_extremes(live, rc, off) == (True, True), rc.spec.name
+    config = SCORING[config_name]
+    heads = 12 if config_name.startswith("wide") else 4
+    q = _query(2, heads, seed=12)
+    out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE, 64, config)
+    ref_out, ref_lse = kernel_reference(q, pool, table, lens, codec, D_C, SCALE, config)
+    _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
+
+
+def _rising_rows(n: int, gen: torch.Generator) -> torch.Tensor:
+    """Rows whose scores against an all-ones query rise along the sequence (the running max grows on most
+    tiles) with a random ripple, so the lazy rescale runs often, also across chunk boundaries."""
+    x = _rows(n, gen) * 0.2
+    return x + torch.linspace(0, 6, n)[:, None] * torch.sign(torch.randn(1, D_C + D_R, generator=gen)).clamp(min=0)
+
+
+@pytest.mark.parametrize("codec_name", ["fp16/fp16", "int4-row/int8-row", "int8-g32/int4-g16"])
+def test_lazy_rescale_when_the_max_keeps_rising(codec_name):
+    codec = LayerCodec.from_names(*codec_name.split("/"), D_C, D_R)
+    pool, table, lens = build_cache(codec, (300, 129), seed=13, rows=_rising_rows)
+    q = torch.ones(2, 4, D_C + D_R) * 1.5
+    q[:, 1] *= -1.0  # a head whose max is set on the first tile and never moves
+    config = K.KernelConfig(block_n=16)
+    out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, 1.0, 192, config)
+    ref_out, ref_lse = kernel_reference(q, pool, table, lens, codec, D_C, 1.0, config)
+    assert (ref_lse.max() - ref_lse.min()) > 8  # scores spread over far more than 2^RESCALE_LOG2
+    _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=1e-4)
+
+
+def test_merge_in_channel_blocks_matches_one_block():
+    gen = torch.Generator().manual_seed(14)
+    parts = torch.randn(3, 5, 4, 256, generator=gen)
+    lses = torch.randn(3, 5, 4, generator=gen) * 4
+    lens = torch.tensor([700, 64, 0], dtype=torch.int32)
+    whole = K.merge_launch(parts, lses, lens, 192, block_d=256)
+    blocks = K.merge_launch(parts, lses, lens, 192, block_d=64)
+    assert whole[0].grid == (3, 1, 1) and blocks[0].grid == (3, 1, 4)
+    whole[0].run()
+    blocks[0].run()
+    assert torch.equal(whole[1], blocks[1]) and torch.equal(whole[2], blocks[2])
+    ref_h, ref_lse = merge_gated_fp16_reference(parts[0, :, :4], lses[0, :, :4])  # 700 tokens: 4 chunks
+    assert torch.allclose(blocks[1][0], ref_h, rtol=1e-6, atol=1e-6) and torch.allclose(blocks[2][0], ref_lse)
+
+
+def test_per_target_settings():
+    cfg = K.load_kernel_config()
+    ampere = cfg.for_target("sm_80")
+    assert (ampere.block_h, ampere.num_warps, ampere.d_split) != (cfg.block_h, cfg.num_warps, cfg.d_split)
+    assert ampere.targets == {} and cfg.for_target("sm_90a") is cfg and cfg.for_target(None) is cfg
+    assert K.TARGETS == {8: "sm_80", 9: "sm_90a"}
+    with pytest.raises(ConfigError, match="targets"):
+        K.load_kernel_config({"targets": {"sm_70": {}}})
+    with pytest.raises(ConfigError, match="targets.sm_80 may override"):
+        K.load_kernel_config({"targets": {"sm_80": {"version": 2}}})
+    with pytest.raises(ConfigError, match="d_split"):
+        K.load_kernel_config({"targets": {"sm_80": {"d_split": 4}}})
+    with pytest.raises(ConfigError, match="dequant_scores"):
+        K.load_kernel_config({"dequant_scores": {"narrow": ["row"], "wide": []}})
+    codec = LayerCodec.from_names("int4-g64", "int8-row", 512, 64)
+    assert K.scored_parts(codec, 128, cfg, on_gpu=True)[2:] == (True, False)  # grouped c_kv; its row k_pe: INT8
+    assert K.scored_parts(codec, 16, cfg, on_gpu=True)[2:] == (True, True)
+    assert K.scored_parts(codec, 128, ampere, on_gpu=True)[2:] == (True, True)
+
+
 def test_shipped_chunk_boundary_end_to_end():
     codec = LayerCodec.from_names("int4-g32", "int8-g16", D_C, D_R)
     pool, table, lens = build_cache(codec, (2100, 70), seed=4)
@@ -260,7 +359,7 @@ def test_shipped_chunk_boundary_end_to_end():
     parts, _, chunk = K.mla_decode_partials(q, pool, table, lens, codec, D_C, SCALE)
     assert chunk == 768 and parts.shape[2] == 3  # 2100 tokens cross the shipped 2048-token boundary
     out, lse = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE)
-    ref_out, ref_lse = mla_decode_reference(effective_query(q, codec), pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = kernel_reference(q, pool, table, lens, codec, D_C, SCALE, None)
     _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
 
 
@@ -286,9 +385,7 @@ def test_empty_sequence_bf16_query_int64_indices():
     q = _query(2, 4, seed=6).bfloat16()
     out, lse = K.mla_decode(q, pool, table.long(), lens.long(), codec, D_C, SCALE, chunk_tokens=64)
     assert (out[0] == 0).all() and (lse[0] == float("-inf")).all()
-    ref_out, ref_lse = mla_decode_reference(
-        effective_query(q[1:], codec), pool, table[1:], lens[1:], codec, D_C, SCALE
-    )
+    ref_out, ref_lse = kernel_reference(q[1:].float(), pool, table[1:], lens[1:], codec, D_C, SCALE)
     _compare(out[1:], lse[1:], ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=1e-4)
 
 
