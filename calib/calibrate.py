@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from mlaquant.calib import transform
 from mlaquant.calib.data import shift_description, shift_source, split_path
 from mlaquant.calib.observers import LatentStats, observe, observe_streamed
 from mlaquant.codecs import CodecError, LayerCodec
@@ -99,6 +100,10 @@ class CalibrateConfig:
     try_rotation: bool = True
     int8_matmul: bool = False
     narrow_trials: int = 8
+    # 'pca-<rate>' c_kv candidates (`mlaquant.calib.transform`): bits allocated in blocks of band_block
+    # channels among band_bits
+    band_block: int = 16
+    band_bits: tuple = (0, 2, 3, 4, 8)
     candidates: tuple = (
         "int4-row/int4-row",
         "int4-row/int4-row-asym",
@@ -137,7 +142,7 @@ class Choice:
 
     name: str
     clip: bool
-    rotate: bool  # c_kv Hadamard-rotated
+    rotate: bool | str  # c_kv Hadamard-rotated (True) or on its principal axes ("pca")
     rotate_rope: bool  # k_pe (and q_pe) Hadamard-rotated after RoPE
     row_bytes: int
     loss: float  # single-layer loss on the validation split
@@ -150,30 +155,53 @@ class Choice:
 
 
 class LayerVariants:
-    """One layer's cached rows as observed, with each part plain or Hadamard-rotated: samples, ranges.
+    """One layer's cached rows as observed, with each part plain or rotated: samples, ranges.
 
-    Variants are keyed (rotate c_kv, rotate k_pe); a part rotates only if its width is a power of two.
+    Variants are keyed (c_kv rotation, rotate k_pe): c_kv False (plain), True (Hadamard) or "pca" (its
+    principal axes, `mlaquant.calib.transform`, for 'pca-<rate>' candidates, with `self.pca` and the rotated
+    second moments `self.pca_moments`); a Hadamard part rotates only if its width is a power of two.
     """
 
-    def __init__(self, stats: LatentStats, d_c: int, d_r: int, percentile: float, seed: int, rotate: bool) -> None:
+    def __init__(self, stats: LatentStats, d_c: int, d_r: int, cfg: CalibrateConfig, seed: int) -> None:
         plain = stats.sample()
         pow2 = lambda n: n & (n - 1) == 0
-        self.signs = hadamard_signs(d_c, seed) if rotate and pow2(d_c) else None
+        self.signs = hadamard_signs(d_c, seed) if cfg.try_rotation and pow2(d_c) else None
         # k_pe's signs from another seed than c_kv's (any fixed one; 7919 is just a prime)
-        self.rope_signs = hadamard_signs(d_r, seed + 7919) if rotate and pow2(d_r) else None
+        self.rope_signs = hadamard_signs(d_r, seed + 7919) if cfg.try_rotation and pow2(d_r) else None
+        self.pca = self.pca_moments = None
+        c_rotations = [False] + ([True] if self.signs is not None else [])
+        if any(transform.is_transform_candidate(c.split("/")[0]) for c in cfg.candidates):
+            self.pca, self.pca_moments = transform.principal_rotation(plain[:, :d_c])
+            c_rotations.append("pca")
+        self.band_block, self.band_bits = cfg.band_block, tuple(cfg.band_bits)
         self.rows = {}
-        for rot_c in (False, True) if self.signs is not None else (False,):
+        for rot_c in c_rotations:
             for rot_r in (False, True) if self.rope_signs is not None else (False,):
                 rows = plain @ self.rotation(rot_c, rot_r, d_c, d_r) if rot_c or rot_r else plain
                 self.rows[rot_c, rot_r] = rows
-        self.bounds = {k: percentile_bounds(rows, percentile) for k, rows in self.rows.items()}
+        self.bounds = {k: percentile_bounds(rows, cfg.percentile) for k, rows in self.rows.items()}
 
-    def rotation(self, rotate: bool, rotate_rope: bool, d_c: int, d_r: int) -> torch.Tensor:
+    def rotation(self, rotate: bool | str, rotate_rope: bool, d_c: int, d_r: int) -> torch.Tensor:
         """The [d_c + d_r, d_c + d_r] rotation of variant (rotate, rotate_rope)."""
-        return latent_rotation(self.signs if rotate else None, self.rope_signs if rotate_rope else None, d_c, d_r)
+        r = latent_rotation(self.signs if rotate is True else None, self.rope_signs if rotate_rope else None, d_c, d_r)
+        if rotate == "pca":
+            r[:d_c, :d_c] = self.pca
+        return r
 
-    def codec(self, name: str, clip: bool, variant: tuple[bool, bool], d_c: int, d_r: int) -> LayerCodec:
+    def resolve(self, name: str) -> str:
+        """`name` with a 'pca-<rate>' c_kv part replaced by this layer's band codec (`transform.band_spec`)."""
         ckv, kpe = name.split("/")
+        if transform.is_transform_candidate(ckv):
+            ckv = transform.band_spec(ckv, self.pca_moments, self.band_block, self.band_bits)
+        return f"{ckv}/{kpe}"
+
+    def variants_for(self, name: str) -> list[tuple]:
+        """The variant keys a candidate is tried in: the PCA basis for 'pca-<rate>' c_kv, the others else."""
+        pca = transform.is_transform_candidate(name.split("/")[0])
+        return [k for k in self.rows if (k[0] == "pca") == pca]
+
+    def codec(self, name: str, clip: bool, variant: tuple, d_c: int, d_r: int) -> LayerCodec:
+        ckv, kpe = self.resolve(name).split("/")
         lo, hi = self.bounds[variant] if clip else (None, None)
         return LayerCodec.from_names(ckv, kpe, d_c, d_r, lo, hi)
 
@@ -192,7 +220,7 @@ def applied(plan: Plan, model: MLAModel | StreamedModel) -> MLAModel | StreamedM
 
 def layer_variants(model: MLAModel, stats: list[LatentStats], cfg: CalibrateConfig) -> list[LayerVariants]:
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    return [LayerVariants(s, d_c, d_r, cfg.percentile, cfg.seed + i, cfg.try_rotation) for i, s in enumerate(stats)]
+    return [LayerVariants(s, d_c, d_r, cfg, cfg.seed + i) for i, s in enumerate(stats)]
 
 
 PROXY_ROWS = 16384
@@ -208,7 +236,7 @@ def best_variant(v: LayerVariants, name: str, try_clip: bool, d_c: int, d_r: int
     stride = max(1, v.rows[False, False].shape[0] // PROXY_ROWS)
     errors = {
         (*variant, clip): v.codec(name, clip, variant, d_c, d_r).relative_error(v.rows[variant][::stride])
-        for variant in v.rows
+        for variant in v.variants_for(name)
         for clip in ((False, True) if try_clip else (False,))
     }
     return min(errors, key=errors.get)
@@ -251,7 +279,8 @@ def measure_layers(
 
 def describe(c: Choice) -> str:
     """One measured candidate as a plan.yaml line: codec, bytes, single-layer validation loss, variant."""
-    flags = (("rotated c_kv", c.rotate), ("rotated k_pe", c.rotate_rope), ("clipped", c.clip))
+    rotated = "PCA-rotated c_kv" if c.rotate == "pca" else "rotated c_kv"
+    flags = ((rotated, c.rotate), ("rotated k_pe", c.rotate_rope), ("clipped", c.clip))
     variant = [name for name, on in flags if on]
     second = "" if c.second_loss is None else f", third-party {c.second_loss:+.4%}"
     return f"{c.name}: {c.row_bytes} B, {c.loss:+.4%}{second}" + (f" ({', '.join(variant)})" if variant else "")
@@ -511,18 +540,21 @@ def build_plan(
     layers, tensors = [], {}
     for i, p in enumerate(pick):
         ch, v = m.table[i][p], m.variants[i]
-        ckv, kpe = ch.name.split("/")
+        ckv, kpe = v.resolve(ch.name).split("/")
         variant = (ch.rotate, ch.rotate_rope)
         lo, hi = v.bounds[variant]
         tensors[f"layer{i}.clip_lo"], tensors[f"layer{i}.clip_hi"] = lo, hi
-        if ch.rotate:
+        if ch.rotate == "pca":
+            tensors[f"layer{i}.ckv_rotation"] = v.pca
+        elif ch.rotate:
             tensors[f"layer{i}.rotation_signs"] = v.signs
         if ch.rotate_rope:
             tensors[f"layer{i}.rope_rotation_signs"] = v.rope_signs
         rows = v.rows[variant]
         tensors[f"layer{i}.range_lo"], tensors[f"layer{i}.range_hi"] = rows.min(0).values, rows.max(0).values
         err = max_row_error(rows, v.codec(ch.name, ch.clip, variant, d_c, d_r))
-        layers.append(LayerPlan(ckv, kpe, ch.clip, ch.rotate, ch.rotate_rope, ch.loss, err, note=notes.get(i, "")))
+        note = notes.get(i, "")
+        layers.append(LayerPlan(ckv, kpe, ch.clip, bool(ch.rotate), ch.rotate_rope, ch.loss, err, note=note))
     return Plan(layers=layers, fingerprint=model.fingerprint(), budget=budget, tensors=tensors)
 
 
@@ -722,7 +754,8 @@ def calibrate(
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json; calibration needs text → tokens")
     model = place(model, device, dtype)
-    fits, skipped = fitting_candidates(cfg.candidates, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)
+    fits, skipped = fitting_candidates(cfg.candidates, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim,
+                                       cfg.band_block)
     cfg = dataclasses.replace(cfg, batch_size=calibration_batch_size(model, cfg), candidates=fits)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
@@ -747,14 +780,19 @@ def calibrate(
     return plan, report
 
 
-def fitting_candidates(candidates: tuple, d_c: int, d_r: int) -> tuple[tuple, list[dict]]:
+def fitting_candidates(candidates: tuple, d_c: int, d_r: int, band_block: int = 16) -> tuple[tuple, list[dict]]:
     """The candidates whose codecs fit latent widths d_c / d_r, and one {candidate, reason} per one that does
-    not (a group that does not divide its part, an odd width for 4-bit codes); MLAQuantError when none but the
-    FP16 fallback fits."""
+    not (a group that does not divide its part, an odd width for 4-bit codes, bands of `band_block` channels
+    that do not tile c_kv); MLAQuantError when none but the FP16 fallback fits."""
     fits, skipped = [], []
     for name in candidates:
+        ckv, kpe = name.split("/")
         try:
-            LayerCodec.from_names(*name.split("/"), d_c, d_r)
+            if transform.is_transform_candidate(ckv):  # stand-in: one band of the whole width
+                if d_c % band_block:
+                    raise CodecError(f"codec {ckv}: bands of {band_block} channels do not tile width {d_c}")
+                ckv = f"band-8x{d_c}"
+            LayerCodec.from_names(ckv, kpe, d_c, d_r)
         except CodecError as e:
             skipped.append({"candidate": name, "reason": str(e)})
             continue

@@ -86,7 +86,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from mlaquant import engine_codecs
+from mlaquant import band_codecs, engine_codecs
 from mlaquant.errors import MLAQuantError
 
 FLOAT_KINDS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,6 +107,8 @@ ENGINE_KINDS = {
 # (`symmetric_codes`; `python scripts/measure_levels.py` measured each against absmax / qmax)
 SCALE_FACTORS = {"int8": (1.0,), "int4": tuple(1.0 - k / 40 for k in range(11))}
 _NAME_RE = re.compile(r"^(int8|int4)(?:-(row|g(\d+)))?(?:-(sym|asym))?$")
+BAND = "band"  # channel bands of 8/4/3/2/0 bits (`mlaquant.band_codecs`): 'band-<bits>x<width>-...'
+_BAND_RE = re.compile(r"^band((?:-\d+x\d+)+)$")
 _FP8_RE = re.compile(r"^fp8(?:-g(\d+))?$")
 
 
@@ -122,8 +124,14 @@ class CodecSpec:
     kind: str
     group_size: int | None = None
     symmetric: bool = True
+    bands: tuple[tuple[int, int], ...] = ()  # (bits, channels) per band, for kind 'band' only
 
     def __post_init__(self) -> None:
+        if self.kind == BAND:
+            self._check_bands()
+            return
+        if self.bands:
+            raise CodecError(f"codec '{self.kind}' takes no bands")
         if self.kind not in FLOAT_KINDS and self.kind not in INT_KINDS and self.kind != FP8:
             if self.kind not in ENGINE_KINDS:
                 known = ", ".join([*FLOAT_KINDS, *INT_KINDS, FP8, *ENGINE_KINDS])
@@ -138,12 +146,24 @@ class CodecSpec:
         if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g <= 0):
             raise CodecError(f"codec '{self.kind}': group_size must be a positive int, got {g!r}")
 
+    def _check_bands(self) -> None:
+        if not self.bands or self.group_size is not None or not self.symmetric:
+            raise CodecError("codec 'band' needs bands (bits, width) and takes no group size or asymmetry")
+        for bits, width in self.bands:
+            if bits not in band_codecs.BAND_BITS or width <= 0 or width % band_codecs.BAND_QUANTUM:
+                raise CodecError(f"codec band: a band of {width} channels at {bits} bits (bits one of "
+                                 f"{band_codecs.BAND_BITS}, width a positive multiple of {band_codecs.BAND_QUANTUM})")
+
     @classmethod
     def parse(cls, name: str) -> CodecSpec:
-        """'fp16', 'int8' (= int8-g64), 'int8-row', 'int8-g32', 'int4' (= int4-g32), 'int4-g64-asym', ..."""
+        """'fp16', 'int8' (= int8-g64), 'int8-row', 'int8-g32', 'int4' (= int4-g32), 'int4-g64-asym',
+        'band-4x48-2x64-0x16', ..."""
         text = name.strip().lower() if isinstance(name, str) else name
         if text in FLOAT_KINDS:
             return cls(text)
+        mb = _BAND_RE.match(text) if isinstance(text, str) else None
+        if mb is not None:
+            return cls(BAND, bands=tuple(tuple(int(v) for v in b.split("x")) for b in mb.group(1)[1:].split("-")))
         if text in ENGINE_KINDS:
             return cls(text, ENGINE_KINDS[text][0])
         m8 = _FP8_RE.match(text) if isinstance(text, str) else None
@@ -153,8 +173,8 @@ class CodecSpec:
         if m is None:
             raise CodecError(
                 f"codec name {name!r} not understood (expected fp32, bf16, fp16, fp8[-g<N>], "
-                "int8|int4[-row|-g<N>][-asym], e.g. 'int4-g32', 'int8-row-asym', or an engine format: "
-                f"{', '.join(ENGINE_KINDS)})"
+                "int8|int4[-row|-g<N>][-asym], e.g. 'int4-g32', 'int8-row-asym', band-<bits>x<width>-..., or an "
+                f"engine format: {', '.join(ENGINE_KINDS)})"
             )
         kind, group, group_n, sym = m.groups()
         if group is None:
@@ -170,6 +190,8 @@ class CodecSpec:
         """Canonical name: `parse(spec.name) == spec`."""
         if self.kind in FLOAT_KINDS or self.kind in ENGINE_KINDS:
             return self.kind
+        if self.kind == BAND:
+            return BAND + "".join(f"-{bits}x{width}" for bits, width in self.bands)
         if self.kind == FP8:
             return FP8 if self.group_size is None else f"{FP8}-g{self.group_size}"
         group = "row" if self.group_size is None else f"g{self.group_size}"
@@ -184,6 +206,8 @@ class CodecSpec:
             return 8
         if self.kind in ENGINE_KINDS:
             return ENGINE_KINDS[self.kind][1]
+        if self.kind == BAND:  # the widest band's (the layout counts each band's own)
+            return max(bits for bits, _ in self.bands)
         return INT_KINDS[self.kind]
 
     @property
@@ -207,6 +231,8 @@ class CodecSpec:
             return CodecSpec("int8", self.group_size, self.symmetric)
         if self.kind in ("int8", FP8) or self.is_engine:
             return CodecSpec("fp16")
+        if self.kind == BAND:
+            return CodecSpec("int8")
         return None
 
 
@@ -249,6 +275,8 @@ class PartLayout:
         if width <= 0:
             raise CodecError(f"codec {spec.name}: width must be > 0, got {width}")
         width = int(width)
+        if spec.kind == BAND:
+            return cls._band(spec, width)
         code_bytes = width * spec.bits // 8
         if spec.is_float:
             return cls(spec, width, width, 0, code_bytes, None, None, code_bytes)
@@ -267,6 +295,17 @@ class PartLayout:
         zero_offset = None if spec.symmetric else code_bytes + 2 * n_groups
         scale_offset = code_bytes if n_groups else None
         return cls(spec, width, g, n_groups, code_bytes, scale_offset, zero_offset, code_bytes + 2 * n_groups * params)
+
+
+    @classmethod
+    def _band(cls, spec: CodecSpec, width: int) -> PartLayout:
+        """A band part: the bands' packed codes in order, then one FP16 scale per band of > 0 bits."""
+        if sum(w for _, w in spec.bands) != width:
+            raise CodecError(f"codec {spec.name}: bands cover {sum(w for _, w in spec.bands)} channels, width {width}")
+        code_bytes = sum(bits * w // 8 for bits, w in spec.bands)
+        n_scales = sum(1 for bits, _ in spec.bands if bits)
+        return cls(spec, width, width, n_scales, code_bytes, code_bytes if n_scales else None, None,
+                   code_bytes + 2 * n_scales)
 
 
 @dataclass(frozen=True)
@@ -332,6 +371,8 @@ class RowCodec(_LaidOut, ABC):
             return Fp8Codec(layout, clip_lo, clip_hi, fp8_scale)
         if spec.is_engine:
             return EngineCodec(layout, clip_lo, clip_hi)
+        if spec.kind == BAND:
+            return BandCodec(layout, clip_lo, clip_hi)
         return (FloatCodec if spec.is_float else IntCodec)(layout, clip_lo, clip_hi)
 
     def _clip_bounds(self, lo: Tensor | None, hi: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
@@ -498,11 +539,11 @@ class IntCodec(RowCodec):
         codes = codes.reshape(-1, lay.row_bytes)
         flat = None if out is None else out.view(-1, lay.width)
         x = self._unpack(codes[:, : lay.code_bytes], flat).view(-1, lay.n_groups, lay.group_size)
-        scale = codes[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups].contiguous()
-        x.mul_(scale.view(torch.float16).float().unsqueeze(-1))
+        scale = packed_as(codes[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups], torch.float16)
+        x.mul_(scale.float().unsqueeze(-1))
         if lay.zero_offset is not None:
-            lo = codes[:, lay.zero_offset : lay.zero_offset + 2 * lay.n_groups].contiguous()
-            x.add_(lo.view(torch.float16).float().unsqueeze(-1))
+            lo = packed_as(codes[:, lay.zero_offset : lay.zero_offset + 2 * lay.n_groups], torch.float16)
+            x.add_(lo.float().unsqueeze(-1))
         return x.view(-1, lay.width).to(dtype).reshape(*lead, lay.width) if out is None else out
 
 
@@ -593,10 +634,52 @@ class Fp8Codec(RowCodec):
         if self.fp8_scale is not None:
             x = q * self.fp8_scale
         else:
-            scale = codes[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups].contiguous()
-            x = (q.view(-1, lay.n_groups, lay.group_size) * scale.view(torch.float16).float().unsqueeze(-1))
+            scale = packed_as(codes[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups], torch.float16)
+            x = (q.view(-1, lay.n_groups, lay.group_size) * scale.float().unsqueeze(-1))
         x = x.view(-1, lay.width).reshape(*lead, lay.width)
         return x.to(dtype) if out is None else out.copy_(x)
+
+
+class BandCodec(RowCodec):
+    """A part in channel bands of 8/4/3/2/0 bits (`mlaquant.band_codecs`: packing): each band of > 0 bits
+    symmetric with every level and one FP16 scale per row, as `symmetric_codes` encodes a group (shrink
+    factors of int4 up to 4 bits, of int8 above); a 0-bit band decodes to zeros. Clip bounds are applied to the
+    values before each band's range is taken, as for `IntCodec`."""
+
+    def _encode_rows(self, x: Tensor) -> Tensor:
+        x32 = self._clip(x.float())
+        self._raise_if(not bool(torch.isfinite(x32).all()), False, "")
+        codes, scales, start = [], [], 0
+        for bits, w in self.spec.bands:
+            band, start = x32[:, start : start + w], start + w
+            if not bits:
+                continue
+            kind = "int8" if bits > 4 else "int4"
+            q, s = symmetric_codes(band.unsqueeze(1), (1 << (bits - 1)) - 1, SCALE_FACTORS[kind])
+            self._raise_if(False, not bool(torch.isfinite(s).all()), "band range exceeds the FP16 range of scales")
+            u = q.squeeze(1).to(torch.int16) + (0 if bits == 8 else 1 << (bits - 1))
+            codes.append(band_codecs.pack(u.to(torch.int8).view(torch.uint8) if bits == 8 else u.to(torch.uint8), bits))
+            scales.append(s)
+        tail = torch.cat(scales, 1).to(torch.float16).view(torch.uint8) if scales else x32.new_empty(len(x32), 0)
+        return torch.cat([*codes, tail.to(torch.uint8)], dim=1)
+
+    def _decode(self, codes: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
+        lay = self.layout
+        lead = codes.shape[:-1]
+        rows = codes.reshape(-1, lay.row_bytes)
+        scales = packed_as(rows[:, lay.code_bytes :], torch.float16).float() if lay.n_groups else None
+        x = torch.zeros(rows.shape[0], lay.width, device=rows.device) if out is None else out.view(-1, lay.width)
+        offset, start, k = 0, 0, 0
+        for bits, w in self.spec.bands:
+            if bits:
+                u = band_codecs.unpack(rows[:, offset : offset + bits * w // 8], bits, w)
+                q = u.view(torch.int8).float() if bits == 8 else u.float() - (1 << (bits - 1))
+                x[:, start : start + w] = q * scales[:, k : k + 1]
+                offset, k = offset + bits * w // 8, k + 1
+            else:
+                x[:, start : start + w] = 0.0
+            start += w
+        return x.view(*lead, lay.width).to(dtype) if out is None else out
 
 
 class EngineCodec(RowCodec):
@@ -615,6 +698,11 @@ class EngineCodec(RowCodec):
         rows = codes.reshape(-1, lay.row_bytes)
         x = engine_codecs.DECODERS[self.spec.kind](rows, lay.n_groups or 1, lay.group_size).reshape(*lead, lay.width)
         return x.to(dtype) if out is None else out.copy_(x)
+
+
+def packed_as(raw: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bytes uint8 [N, k·itemsize] at any offset and stride → a fresh dense copy viewed as `dtype` [N, k]."""
+    return torch.empty(raw.shape, dtype=torch.uint8, device=raw.device).copy_(raw).view(dtype)
 
 
 def _relative_error(xq: Tensor, x: Tensor, reduction: str) -> Tensor | float:

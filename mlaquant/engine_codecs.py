@@ -92,7 +92,8 @@ def _cat(codes: Tensor, scales: Tensor) -> Tensor:
 
 def _scales(rows: Tensor, code_bytes: int, dtype: torch.dtype, groups: int) -> Tensor:
     """The per-group scales stored after the codes → [N, G] in `dtype`."""
-    return rows[:, code_bytes:].contiguous().view(dtype).view(-1, groups)
+    raw = rows[:, code_bytes:]  # a dense copy: the scales may sit at any byte offset and row stride
+    return torch.empty(raw.shape, dtype=torch.uint8, device=raw.device).copy_(raw).view(dtype).view(-1, groups)
 
 
 def _encode_e4m3(xg: Tensor) -> Tensor:

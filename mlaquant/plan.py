@@ -7,7 +7,9 @@ A plan directory holds two files, written atomically (temp dir, then rename):
     scales.safetensors  per-layer tensors: `layer{i}.clip_lo` / `layer{i}.clip_hi` [d_c + d_r] float32
                         (calibrated per-channel clip ranges of the cached rows), `layer{i}.range_lo`
                         / `range_hi` (observed min / max, for the runtime guard) and, for rotated layers,
-                        `layer{i}.rotation_signs` [d_c] (c_kv·R_c, R_c = diag(signs)·H/√d_c) and / or
+                        `layer{i}.rotation_signs` [d_c] (c_kv·R_c, R_c = diag(signs)·H/√d_c) or
+                        `layer{i}.ckv_rotation` [d_c, d_c] (c_kv·R_c, R_c the principal axes of c_kv on the
+                        calibration rows, `mlaquant.calib.transform`) and / or
                         `layer{i}.rope_rotation_signs` [d_r] (k_pe·R_r and q_pe·R_r after RoPE), see
                         `mlaquant.model.with_latent_rotation` — quantization parameters live here,
                         never in file names
@@ -112,18 +114,19 @@ class Plan:
         return LayerCodec.from_names(ckv or lp.ckv, kpe or lp.kpe, d_c, d_r, lo, hi)
 
     def rotations(self, d_c: int, d_r: int) -> dict[int, torch.Tensor]:
-        """Layer → [d_c + d_r, d_c + d_r] block-diagonal rotation for the layers that rotate a part."""
+        """Layer → [d_c + d_r, d_c + d_r] block-diagonal rotation for the layers that rotate a part: c_kv by
+        its stored matrix (`ckv_rotation`) or Hadamard signs, k_pe by Hadamard signs."""
         t = self.tensors
-        return {
-            i: latent_rotation(
-                t[f"layer{i}.rotation_signs"] if lp.rotate else None,
-                t[f"layer{i}.rope_rotation_signs"] if lp.rotate_rope else None,
-                d_c,
-                d_r,
-            )
-            for i, lp in enumerate(self.layers)
-            if lp.rotate or lp.rotate_rope
-        }
+        out = {}
+        for i, lp in enumerate(self.layers):
+            if not (lp.rotate or lp.rotate_rope):
+                continue
+            matrix = t.get(f"layer{i}.ckv_rotation") if lp.rotate else None
+            signs = t[f"layer{i}.rotation_signs"] if lp.rotate and matrix is None else None
+            out[i] = latent_rotation(signs, t[f"layer{i}.rope_rotation_signs"] if lp.rotate_rope else None, d_c, d_r)
+            if matrix is not None:
+                out[i][:d_c, :d_c] = matrix.float()
+        return out
 
     def apply(self, model, backend: str = "auto"):
         """The model this plan's cache rows belong to: rotated layers folded in, `int8_matmul` layers with
@@ -194,10 +197,11 @@ class Plan:
         except (SafetensorError, OSError) as e:
             raise PlanError(f"{scales_file}: corrupt scales file ({e})") from e
         for i, lp in enumerate(layers):
+            pca = f"layer{i}.ckv_rotation" in plan.tensors
             needs = (
                 (lp.clip, "clip_hi"),
                 (lp.clip, "clip_lo"),
-                (lp.rotate, "rotation_signs"),
+                (lp.rotate and not pca, "rotation_signs"),
                 (lp.rotate_rope, "rope_rotation_signs"),
             )
             for flag, key in needs:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mlaquant import DecodeSession
-from mlaquant.calib.calibrate import LayerVariants, best_variant
+from mlaquant.calib.calibrate import CalibrateConfig, LayerVariants, best_variant
 from mlaquant.calib.observers import LatentStats
 from mlaquant.errors import PlanError
 from mlaquant.eval import fake_quant_hook
@@ -90,7 +90,7 @@ def test_plan_search_rotates_k_pe_with_an_outlier_pair():
     angle = torch.rand(4096, generator=g) * 6.28
     rows[:, d_c + 1], rows[:, d_c + 1 + d_r // 2] = 10 * angle.cos(), 10 * angle.sin()
     stats = LatentStats(rows.min(0).values, rows.max(0).values, [rows], rows.shape[0])
-    v = LayerVariants(stats, d_c, d_r, 0.999, seed=0, rotate=True)
+    v = LayerVariants(stats, d_c, d_r, CalibrateConfig(percentile=0.999, try_rotation=True), seed=0)
     assert set(v.rows) == {(False, False), (False, True), (True, False), (True, True)}
     _, rotate_rope, _ = best_variant(v, "int8-row/int4-row", try_clip=False, d_c=d_c, d_r=d_r)
     assert rotate_rope
