@@ -86,6 +86,8 @@ class SweepConfig:
     window_codecs: tuple = ("int4-g32", "int4-g32/int8-g32")
     budgets: tuple = (0.005, 0.01, 0.02)
     target_budget: float = 0.01
+    # other calibration configs (packaged configs/ names), each calibrated at target_budget: their own rows
+    tiers: tuple = ("calibrate-3bit.yaml",)
     calibrate: dict = dataclasses.field(
         default_factory=lambda: {"samples": 64, "seq_len": 512, "val_samples": 32}
     )
@@ -135,6 +137,8 @@ class SweepConfig:
         for name in (*self.codecs, *self.window_codecs):
             Plan.uniform(name, 1)
         calibrate_config(self, self.target_budget)  # unknown or bad `calibrate:` keys fail here, by name
+        for tier in self.tiers:
+            calibrate_config(self, self.target_budget, tier)
 
 
 def load_sweep_config(source=None, overrides: dict | None = None) -> SweepConfig:
@@ -145,10 +149,10 @@ def load_sweep_config(source=None, overrides: dict | None = None) -> SweepConfig
     return load_config(SweepConfig, {**to_dict(base), **overrides}, "sweep.yaml")
 
 
-def calibrate_config(cfg: SweepConfig, budget: float) -> CalibrateConfig:
-    """configs/calibrate.yaml + the sweep's `calibrate:` overrides + `budget`; no test split or off-distribution
+def calibrate_config(cfg: SweepConfig, budget: float, base_file: str = "calibrate.yaml") -> CalibrateConfig:
+    """configs/`base_file` + the sweep's `calibrate:` overrides + `budget`; no test split or off-distribution
     report (the sweep measures its own text)."""
-    base = to_dict(load_config(CalibrateConfig, None, "calibrate.yaml"))
+    base = to_dict(load_config(CalibrateConfig, None, base_file))
     merged = {**base, **cfg.calibrate, "budget": budget, "test_samples": 0, "shift_samples": 0,
               "shift_long_samples": 0}
     return load_config(CalibrateConfig, merged, "calibrate.yaml")
@@ -321,9 +325,12 @@ def row_specs(cfg: SweepConfig, plans: dict[str, Plan], plan_digests: dict[str, 
     formats = {f.name: f for f in FORMATS}
     rows += [RowSpec(f"engine:{name}", "engine", f"{name} ({formats[name].setting})", {"codec": formats[name].codec})
              for name in cfg.engines]
+    tiers = {f"plan:{Path(t).stem.removeprefix('calibrate-')}-{cfg.target_budget:g}": Path(t).stem for t in cfg.tiers}
     for pid, plan in plans.items():
         budget = f"{plan.budget:.1%} plan" if plan.budget is not None else "plan"
         label = f"calibrated {budget}" if pid.startswith("plan:budget-") else f"{pid[5:]} ({budget})"
+        if pid in tiers:
+            label = f"calibrated {budget}, {tiers[pid].removeprefix('calibrate-')} tier"
         rows.append(RowSpec(pid, "calibrated", label, {"plan": plan_digests[pid], "window": plan.window}))
     for name in cfg.peers:
         spec = {"peer": name}
@@ -357,12 +364,15 @@ def load_plans(plan_dirs: list[str], model: MLAModel, data: Path) -> dict[str, P
 
 
 def calibrated_plans(model: MLAModel, cfg: SweepConfig, out: Path, quiet: bool) -> dict[str, Plan]:
-    """Plans at each budget in DIR/plans/budget-<b>, reusing one calibrated earlier with the same settings."""
+    """Plans at each budget in DIR/plans/budget-<b>, and of each tier config at the target budget in
+    DIR/plans/<tier>-<b>, reusing one calibrated earlier with the same settings."""
+    runs = [(f"budget-{b:g}", calibrate_config(cfg, b)) for b in cfg.budgets]
+    runs += [(f"{Path(t).stem.removeprefix('calibrate-')}-{cfg.target_budget:g}",
+              calibrate_config(cfg, cfg.target_budget, t)) for t in cfg.tiers]
     plans = {}
     fingerprint = model.fingerprint()
-    for budget in cfg.budgets:
-        ccfg = calibrate_config(cfg, budget)
-        plan_dir = out / "plans" / f"budget-{budget:g}"
+    for name, ccfg in runs:
+        plan_dir = out / "plans" / name
         want = {
             **to_dict(ccfg),
             "data": str(cfg.calibration_data or split_path("calibration")),
@@ -377,7 +387,7 @@ def calibrated_plans(model: MLAModel, cfg: SweepConfig, out: Path, quiet: bool) 
             plan, _ = calibrate(model, ccfg, cfg.calibration_data, cfg.validation_data, quiet=quiet)
             plan.save(plan_dir)
             plan = Plan.load(plan_dir)
-        plans[f"plan:budget-{budget:g}"] = plan
+        plans[f"plan:{name}"] = plan
     return plans
 
 

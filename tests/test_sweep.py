@@ -364,9 +364,15 @@ def test_sweep_calibrates_its_plans_once(setup, tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("calibrated again although the plan on disk has the same settings")
 
+    # the sub-4-bit tier's config, calibrated at the target budget: its own row, on its principal axes
+    tier = Plan.load(tmp_path / "out" / "plans" / "3bit-0.01")
+    assert tier.settings["candidates"][0].startswith("pca-") and tier.budget == 0.01
+    assert rows["plan:3bit-0.01"]["label"] == "calibrated 1.0% plan, 3bit tier"
+    assert any(lp.ckv.startswith("band-") for lp in tier.layers) or tier.fallbacks
+
     monkeypatch.setattr("mlaquant.calib.sweep.calibrate", refuse)
     again = sweep(setup["model"], cfg, tmp_path / "out", root / "test.txt", quiet=True)
-    assert again["resumed_rows"] == len(again["rows"]) == 3
+    assert again["resumed_rows"] == len(again["rows"]) == 4
 
 
 def test_every_row_carries_position_buckets_and_the_report_shows_them(setup, tmp_path):
