@@ -36,7 +36,9 @@ last 512 positions of a 4096-token window of stdlib source, 4 layers x 4 heads, 
 script in docs/aot_round3.md): 0.16-0.77 later rescales per program for tiles of 16 / 32 tokens and chunks of
 512 / 2048 / 4096 tokens; RESCALES_PER_PROGRAM = 2 (the first tile + 1, rounded up). Long-context DeepSeek
 scores could grow more often; r = 1 is the worst case (every tile), which `loop_conditional` lets a reader
-recompute.
+recompute. With two value programs per head block (`d_split` 2) the kernel holds one loop per program; each
+program is charged the loop with the most MMA work (equal for every codec but a band part, whose two programs'
+tiles can differ: an upper bound there).
 
 Constants (`DEVICES`): H100 SXM 132 SMs at 1.755 GHz, HBM 3.0 TB/s achieved (3.35 peak), L2 5.5 TB/s;
 H200 the same SMs and L2, HBM 4.3 TB/s achieved (4.8 peak, the same 90 %). Per SM and cycle, wgmma does
@@ -85,6 +87,13 @@ DECODE_CODECS = (
     "int4-g64/int4-g32",  # the default plan's last layer
     "int4-row/int8-row",
     "int4-row/fp16",
+    # the sub-4-bit tier (band c_kv): the bundled model's calibrated allocations (d_c 128) scaled by 4 to d_c 512,
+    # 2.0 bits of codes (the 3-bit plan's layers 2-3: 8/4/2 bits, half the channels 0) and 2.5 bits (the
+    # ablation's PCA water-filling 2.5 layer 0: 4/3/2 bits, a quarter 0), each beside the plan's two k_pe codecs
+    "band-8x64-4x64-2x128-0x256/int4-row",
+    "band-8x64-4x64-2x128-0x256/int8-row",
+    "band-4x192-3x128-2x64-0x128/int4-row",
+    "band-4x192-3x128-2x64-0x128/int8-row",
 )
 GEMM_M = (1, 32, 128)  # decode batches: the W8A8 GEMM's tile rule picks its variant from M
 LAUNCH_US = 3.0
@@ -281,7 +290,7 @@ def _decode_launch(K, codec, heads: int, context: int, config, n_sm: int | None 
     pool = _meta(BATCH * context // K.PAGE_TOKENS, K.PAGE_TOKENS, codec.row_bytes, dtype=torch.uint8)
     table = _meta(BATCH, context // K.PAGE_TOKENS, dtype=torch.int32)
     lens = _meta(BATCH, dtype=torch.int32)
-    chunk = K.schedule_chunk(config, BATCH, heads, context, n_sm)
+    chunk = K.schedule_chunk(config, BATCH, heads, context, n_sm, codec)
     stage0, staged = K.query_launch(q, codec, D_C, 0.1, config, on_gpu=True)
     launch, parts, lse = K.stage1_launch(q, staged, pool, table, lens, codec, D_C, 0.1, chunk, context, config,
                                          on_gpu=True)
@@ -313,7 +322,7 @@ def predict(stats: dict, v: Variant, device: Device, context: int) -> dict:
     n_split = parts.shape[2]
     tokens = BATCH * context
     per_token = d["head_blocks"] / d["block_n"]
-    chunk = K.schedule_chunk(d["config"], BATCH, v.heads, context, device.sms)
+    chunk = K.schedule_chunk(d["config"], BATCH, v.heads, context, device.sms, d["codec"])
     rate = min(1.0, RESCALES_PER_PROGRAM * d["block_n"] / min(chunk, context))  # per loop iteration
     executed = stats["loop_instructions"] - (1.0 - rate) * stats["loop_conditional"]
     issue = executed * d["warps"] / 4 * per_token

@@ -153,7 +153,7 @@ def decode_rows(
                     pool = _pool(codec, b * ctx, K.PAGE_TOKENS, device, gen)
                     table = torch.randperm(pool.shape[0], generator=gen).view(b, -1).to(device, torch.int32)
                     n_sm = K.sm_count(device.index or 0) if device.type == "cuda" else None
-                    chunk = K.schedule_chunk(config, b, h, ctx, n_sm)
+                    chunk = K.schedule_chunk(config, b, h, ctx, n_sm, codec)
                     n_split = -(-ctx // chunk)
                     ms = clock(functools.partial(K.mla_decode, q, pool, table, lens, codec, d_c, scale,
                                                  max_seq_len=ctx))

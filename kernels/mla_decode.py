@@ -23,6 +23,10 @@ each part of width W in groups of G channels, n_g = W / G, see `mlaquant.codecs`
     int8 asym       W uint8 codes (q in [0, 255]) | n_g fp16 s | n_g fp16 lo         x = q * s + lo
     int4 sym        W/2 bytes (low nibble = channel 2j, high = 2j+1, stored q + 8, q in [-8, 7]) | n_g fp16 s (signed)
     int4 asym       W/2 bytes (nibbles q in [0, 15]) | n_g fp16 s | n_g fp16 lo
+    band (c_kv)     the bands' codes in band order (b bits x w channels: w·b/8 bytes, channel c of the band at bit
+                    b·c of its little-endian byte string, stored u = q + 2^(b-1), q in [-2^(b-1), 2^(b-1) - 1],
+                    an 8-bit band the int8 byte) | one fp16 s per band of > 0 bits (signed)      x = q * s
+                    (b in 8/4/3/2/0, w a multiple of 8; a 0-bit band stores nothing, x = 0; `mlaquant.band_codecs`)
     fp32 / bf16     refused here (BackendError): they exist for exactness checks on the torch path.
 
 Scores. Each row part is scored one of two ways, chosen per block shape and part family by
@@ -33,6 +37,9 @@ Scores. Each row part is scored one of two ways, chosen per block shape and part
   same halves are the V tiles of P·V, reaching both dots through shared memory (`_computed_once`). Every FP16
   part of a narrow block, and the integer families listed, are scored this way; no query kernel runs for them.
   The scores then differ from the exact decode by the FP16 rounding of q and of the decoded keys only.
+  A band c_kv part is always scored this way, per segment instead of per half (`band_segments`: tiles of one
+  band, of power-of-two widths ≥ 16, an 8-channel remainder padded with zeros); its 0-bit channels are
+  neither read nor scored, and the programs store 0 there.
 - INT8 dots (the other integer parts): the query is quantized once per call by the query kernel (stage 0) per
   (token, head, group) with the cache part's grouping:
 `qs = absmax(q_group) / 127` (FP32, IEEE division), `q8 = round_half_even(q_group / qs)` (an all-zero group
@@ -99,6 +106,19 @@ loop's static instructions, (n) of them in the lazy-rescale branch; docs/aot_rou
 - Tiles of 32 tokens in every family (64 spill 24-104 B at 128 heads); one pipeline stage (two need 208-376
   KiB of shared memory at 128 heads). The cost model ignores latency, which more stages would hide.
 - The merge (stage 2) runs 128 channels per program: 16 x 512 used all 255 registers (now 72).
+- Band c_kv parts (`band_values`): codes reach FP16 without conversions — 8-bit by `_int8_f16`, 4-bit by
+  `_nibble_f16`, 2- and 3-bit by shifts and masks into the mantissa of FP16 1024 (`_code_f16`), one element-wise
+  plane per code position (a 3-bit band as three byte planes), interleaved into channel order like the nibbles.
+  Compiled for a 256-channel band at 128 heads: loop 639 instructions at 3 bits, 583 at 2 (549 at 4, 539 at 8);
+  written as one shift by a broadcast [BN, U, 8] and a reshape they were 909 / 723 (the byte loads lost their
+  vectorization and the reshape went through shared memory).
+- A band part whose coded channels fit in one value half (at most d_c / 2) runs one program per head block
+  (`value_split`), which holds them all and computes the scores once: band-8x64-4x64-2x128-0x256 at 128 heads
+  36 MMA cycles per token instead of 56 with two programs (188 instead of 276 µs predicted). With more coded
+  channels the two programs share them evenly (a multiple of 16 channels near the middle, not d_c / 2).
+- The band epilogue stores each segment after the loop (Triton 3.6 hoisted the pointers of a store computed
+  before the loop and spilled 104 B), and the 0-bit channels as power-of-two pieces (a masked [BH, d_c] store
+  of zeros spilled too).
 
 Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page). By default, on
 a GPU, `schedule_chunk` sizes them to fill the SMs (waves x pages per program within 10 % of the best, the
@@ -130,8 +150,10 @@ usually much closer than R_c; measured in tests/test_kernel_mla_decode.py, the e
 (S = 2..64).
 
 GPU limits (checked, BackendError): power-of-two widths and groups; integer groups of ≥ 32 channels (INT8
-`tl.dot` needs K ≥ 32); fp16 parts ≥ 16 wide; FP16 scales 2-byte aligned. Under TRITON_INTERPRET=1 any
-power-of-two width/group runs.
+`tl.dot` needs K ≥ 32); fp16 parts ≥ 16 wide; FP16 scales 2-byte aligned, so rows of an even number of bytes
+and band parts with an even number of code bytes (always so when every band is a multiple of 16 channels;
+odd only with an odd number of 3-bit bands of 8 mod 16 channels); band parts for c_kv only. Under
+TRITON_INTERPRET=1 any power-of-two width/group runs.
 """
 
 from __future__ import annotations
@@ -152,8 +174,9 @@ from mlaquant.errors import BackendError
 
 PAGE_TOKENS = 64
 TARGETS = {8: "sm_80", 9: "sm_90a"}  # `KernelConfig.targets` keys by compute capability major
-CKV_FAMILIES = ("fp16", "row", "grouped")  # c_kv parts by how the kernel reads them (`KernelConfig.wide_block_n`)
-_KIND_FP16, _KIND_INT8, _KIND_INT4 = 0, 1, 2
+# c_kv parts by how the kernel reads them (`KernelConfig.wide_block_n`, `dequant_scores`)
+CKV_FAMILIES = ("fp16", "row", "grouped", "band")
+_KIND_FP16, _KIND_INT8, _KIND_INT4, _KIND_BAND = 0, 1, 2, 3
 _LOG2E = 1.4426950408889634
 QUERY_BLOCK_H = 16  # heads per program of the query kernel (stage 0)
 MERGE_BLOCK_D = 128  # channels per program of the merge (stage 2): 16 x 512 spent all 255 registers
@@ -170,8 +193,8 @@ class KernelConfig:
     over `d_split` programs; at most `narrow_heads` heads run as one narrow block (`tile_for`). Wide blocks
     take their tile length by the c_kv part's family from `wide_block_n` (`block_n_for`).
     `dequant_scores` lists, for narrow and for wide blocks, the c_kv families whose scores are FP16 dots on the
-    dequantized tile, and by c_kv family the k_pe families scored so (`fp16_scores`); the others score an
-    integer part with INT8 dots and read an FP16 part whole.
+    dequantized tile (band always: it has no other path), and by c_kv family the k_pe families scored so
+    (`fp16_scores`); the others score an integer part with INT8 dots and read an FP16 part whole.
     `targets` maps a GPU target (`TARGETS`: sm_80 for compute capability 8.x, sm_90a for 9.x) to overrides of
     these settings (`for_target`); devices of other capabilities, and the interpreter, use the settings as
     written.
@@ -185,12 +208,14 @@ class KernelConfig:
     num_stages: int = 1
     d_split: int = 2
     narrow_heads: int = 16
-    wide_block_n: dict = field(default_factory=lambda: {"fp16": 16, "row": 32, "grouped": 16})
+    wide_block_n: dict = field(default_factory=lambda: {"fp16": 16, "row": 32, "grouped": 16, "band": 32})
     dequant_scores: dict = field(default_factory=lambda: {
-        "narrow": {"c_kv": ["fp16", "row", "grouped"],
-                   "k_pe": {"fp16": ["row", "grouped"], "row": ["row", "grouped"], "grouped": ["row", "grouped"]}},
-        "wide": {"c_kv": ["grouped"],
-                 "k_pe": {"fp16": ["row", "grouped"], "row": ["row", "grouped"], "grouped": ["grouped"]}},
+        "narrow": {"c_kv": ["fp16", "row", "grouped", "band"],
+                   "k_pe": {"fp16": ["row", "grouped"], "row": ["row", "grouped"], "grouped": ["row", "grouped"],
+                            "band": ["row", "grouped"]}},
+        "wide": {"c_kv": ["grouped", "band"],
+                 "k_pe": {"fp16": ["row", "grouped"], "row": ["row", "grouped"], "grouped": ["grouped"],
+                          "band": ["row", "grouped"]}},
     })
     targets: dict = field(default_factory=dict)
 
@@ -220,6 +245,9 @@ class KernelConfig:
                        for v in deq.values() for f in [v["c_kv"], *v["k_pe"].values()])):
             raise ConfigError(f"kernels: dequant_scores must map narrow and wide to {{c_kv: [families], k_pe: {{c_kv "
                               f"family: [families]}}}} over {', '.join(CKV_FAMILIES)}, got {deq!r}")
+        if any("band" not in v["c_kv"] or "band" in f for v in deq.values() for f in v["k_pe"].values()):
+            raise ConfigError(f"kernels: dequant_scores must list band under every c_kv (a band part is read only as "
+                              f"FP16-scored tiles) and under no k_pe (band parts are c_kv only), got {deq!r}")
         if not isinstance(self.targets, dict) or set(self.targets) - set(TARGETS.values()):
             raise ConfigError(f"kernels: targets must map some of {', '.join(TARGETS.values())} to overrides, "
                               f"got {self.targets!r}")
@@ -243,7 +271,7 @@ class KernelConfig:
 
     def block_n_for(self, heads: int, ckv_family: str) -> int:
         """Tokens per tile: `block_n` for a narrow block, else `wide_block_n[ckv_family]` (a family of
-        `CKV_FAMILIES`: fp16, row-wise integer, grouped integer c_kv)."""
+        `CKV_FAMILIES`: fp16, row-wise integer, grouped integer, band c_kv)."""
         return self.block_n if heads <= self.narrow_heads else self.wide_block_n[ckv_family]
 
     def tile_for(self, heads: int, on_gpu: bool) -> tuple[int, int, int]:
@@ -596,6 +624,154 @@ def _query_halves(q_row, h_mask, KIND: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _code_f16(u, BITS: tl.constexpr):
+    """Unsigned codes u (int16, < 2^BITS) as FP16 q = u − 2^(BITS−1), exact: u is put in the mantissa of FP16 1024
+    (u | 0x6400) and 1024 + 2^(BITS−1) subtracted (no int → float conversion)."""
+    return (u | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + (1 << (BITS - 1)))
+
+
+@triton.jit
+def band_values(row, t_mask, OFF: tl.constexpr, W: tl.constexpr, V: tl.constexpr, BITS: tl.constexpr,
+                SOFF: tl.constexpr, ASM: tl.constexpr):
+    """One segment of a band part (`band_segments`): [BN, W] FP16, column j the channel whose code starts at bit
+    8·OFF + BITS·j of the part, decoded as the codec does (q · s, q = u − 2^(BITS−1), s the band's FP16 scale at
+    byte SOFF) and rounded to FP16: |q| ≤ 128 times an FP16 scale is exact in FP32, so FP16's product is the same
+    bits. Columns ≥ V are 0 and their bytes are not read. `row` [BN] points at each token's part."""
+    s = tl.load((row + SOFF).to(tl.pointer_type(tl.float16)), mask=t_mask, other=0.0)
+    if BITS == 3:  # 8 channels in 3 bytes (a little-endian 24-bit word), read as three byte planes
+        j = tl.arange(0, W // 8)
+        if V < W:
+            m = t_mask[:, None] & (j < V // 8)[None, :]
+        else:
+            m = t_mask[:, None]
+        p = row[:, None] + OFF + 3 * j[None, :]
+        b0 = tl.load(p, mask=m, other=0).to(tl.int16)
+        b1 = tl.load(p + 1, mask=m, other=0).to(tl.int16)
+        b2 = tl.load(p + 2, mask=m, other=0).to(tl.int16)
+        c0 = _code_f16(b0 & 7, 3)
+        c1 = _code_f16((b0 >> 3) & 7, 3)
+        c2 = _code_f16((b0 >> 6) | ((b1 & 1) << 2), 3)
+        c3 = _code_f16((b1 >> 1) & 7, 3)
+        c4 = _code_f16((b1 >> 4) & 7, 3)
+        c5 = _code_f16((b1 >> 7) | ((b2 & 3) << 1), 3)
+        c6 = _code_f16((b2 >> 2) & 7, 3)
+        c7 = _code_f16(b2 >> 5, 3)
+        q = tl.interleave(tl.interleave(tl.interleave(c0, c4), tl.interleave(c2, c6)),
+                          tl.interleave(tl.interleave(c1, c5), tl.interleave(c3, c7)))
+    else:
+        j = tl.arange(0, W * BITS // 8)
+        if V < W:
+            m = t_mask[:, None] & (j < V * BITS // 8)[None, :]
+        else:
+            m = t_mask[:, None]
+        raw = tl.load(row[:, None] + OFF + j[None, :], mask=m, other=0)
+        if BITS == 8:
+            q = _int8_f16(raw, ASM)
+        elif BITS == 4:
+            q = tl.interleave(_nibble_f16(raw, False, True, ASM), _nibble_f16(raw, True, True, ASM))
+        else:
+            raw = raw.to(tl.int16)
+            q = tl.interleave(tl.interleave(_code_f16(raw & 3, 2), _code_f16((raw >> 4) & 3, 2)),
+                              tl.interleave(_code_f16((raw >> 2) & 3, 2), _code_f16(raw >> 6, 2)))
+    v = q * s.to(tl.float16)[:, None]
+    if V < W:
+        v = tl.where((tl.arange(0, W) < V)[None, :], v, 0.0)
+    return v
+
+
+@triton.jit
+def _band_tiles(row, t_mask, SEGS: tl.constexpr, ASM: tl.constexpr):
+    """The dequantized tiles of segments `SEGS` (`band_values`), each computed once for QK and P·V."""
+    vs = ()
+    for i in tl.static_range(len(SEGS)):
+        v = band_values(row, t_mask, SEGS[i][4], SEGS[i][1], SEGS[i][2], SEGS[i][3], SEGS[i][5], ASM)
+        vs = vs + (_computed_once(v, ASM),)
+    return vs
+
+
+@triton.jit
+def _band_query_segment(q_row, h_mask, CH: tl.constexpr, W: tl.constexpr, V: tl.constexpr):
+    c = tl.arange(0, W)
+    return tl.load(q_row[:, None] + CH + c[None, :], mask=h_mask[:, None] & (c < V)[None, :], other=0.0).to(tl.float16)
+
+
+@triton.jit
+def _band_query(q_row, h_mask, SEGS: tl.constexpr):
+    """The FP16 query channels of segments `SEGS`, [BH, W] each (0 in padded columns)."""
+    qs = ()
+    for i in tl.static_range(len(SEGS)):
+        qs = qs + (_band_query_segment(q_row, h_mask, SEGS[i][0], SEGS[i][1], SEGS[i][2]),)
+    return qs
+
+
+@triton.jit
+def _band_dots(qs, vs, s):
+    """s + Σ_i qs[i] · vs[i]ᵀ (FP16 dots, FP32 accumulation)."""
+    for i in tl.static_range(len(vs)):
+        s = tl.dot(qs[i], tl.trans(vs[i]), s, out_dtype=tl.float32)
+    return s
+
+
+@triton.jit
+def _band_pv(p16, vs, accs):
+    """Each segment's accumulator plus P · its V tile."""
+    out = ()
+    for i in tl.static_range(len(vs)):
+        out = out + (tl.dot(p16, vs[i], accs[i], out_dtype=tl.float32),)
+    return out
+
+
+@triton.jit
+def _band_rescaled(accs, alpha):
+    out = ()
+    for i in tl.static_range(len(accs)):
+        out = out + (accs[i] * alpha[:, None],)
+    return out
+
+
+@triton.jit
+def _zeros_acc(BLOCK_H: tl.constexpr, W: tl.constexpr):
+    return tl.zeros([BLOCK_H, W], dtype=tl.float32)
+
+
+@triton.jit
+def _band_accumulators(BLOCK_H: tl.constexpr, SEGS: tl.constexpr):
+    accs = ()
+    for i in tl.static_range(len(SEGS)):
+        accs = accs + (_zeros_acc(BLOCK_H, SEGS[i][1]),)
+    return accs
+
+
+@triton.jit
+def _band_store_segment(out, acc, safe_l, live, CH: tl.constexpr, W: tl.constexpr, V: tl.constexpr):
+    c = tl.arange(0, W)
+    if V < W:
+        tl.store(out + CH + c[None, :], acc / safe_l[:, None], mask=live[:, None] & (c < V)[None, :])
+    else:
+        tl.store(out + CH + c[None, :], acc / safe_l[:, None], mask=live[:, None])
+
+
+@triton.jit
+def _band_store(out, accs, l_i, live, SEGS: tl.constexpr):
+    """Store each segment's normalized accumulator at its channels of `out` [BH] (row pointers)."""
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    for i in tl.static_range(len(SEGS)):
+        _band_store_segment(out, accs[i], safe_l, live, SEGS[i][0], SEGS[i][1], SEGS[i][2])
+
+
+@triton.jit
+def _store_zeros(out, live, CH: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
+    tl.store(out + CH + tl.arange(0, W)[None, :], tl.zeros([BLOCK_H, W], dtype=tl.float32), mask=live[:, None])
+
+
+@triton.jit
+def _band_store_zeros(out, live, ZERO: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Zeros at the channels of this program's pieces of 0-bit bands (`ZERO`: (channel, width) each)."""
+    for i in tl.static_range(len(ZERO)):
+        _store_zeros(out, live, ZERO[i][0], ZERO[i][1], BLOCK_H)
+
+
+@triton.jit
 def tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE: tl.constexpr,
               ROW_BYTES: tl.constexpr):
     """Byte pointers [BN] of tokens `offs_t` of sequence b (masked tokens point at block 0)."""
@@ -685,7 +861,7 @@ def _tile_step(
     qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool, stride_bt, qk_scale,
     PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
     C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
-    C_LOFF: tl.constexpr, C_F16: tl.constexpr,
+    C_LOFF: tl.constexpr, C_F16: tl.constexpr, C_SEG0: tl.constexpr, C_SEG1: tl.constexpr,
     R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
     R_SOFF: tl.constexpr, R_LOFF: tl.constexpr, R_F16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BOTH: tl.constexpr, ASM: tl.constexpr,
@@ -700,7 +876,13 @@ def _tile_step(
         row = page_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, t0, idx, PAGE, ROW_BYTES)
     else:
         row = tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, t0 + idx, every, PAGE, ROW_BYTES)
-    if C_F16:
+    if C_KIND == 3:
+        # every coded segment dequantized once: K for the scores, and the program's own ones V for P·V
+        v0 = _band_tiles(row, every, C_SEG0, ASM)
+        v1 = _band_tiles(row, every, C_SEG1, ASM)
+        s = _band_dots(qc8[0], v0, tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32))
+        s = _band_dots(qc8[1], v1, s) * qk_scale
+    elif C_F16:
         # the c_kv tile is read (and dequantized) once, as its two halves: K for the scores and V for P·V
         va = half_values(row, every, 0, C_KIND, C_ASYM, D_C, C_G, C_SOFF, C_LOFF, ASM, False)
         if C_KIND != 0:
@@ -730,14 +912,26 @@ def _tile_step(
         m_new = tl.maximum(m_i, m_tile)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha
-        acc_a = acc_a * alpha[:, None]
-        if BOTH:
-            acc_b = acc_b * alpha[:, None]
+        if C_KIND == 3:
+            acc_a = _band_rescaled(acc_a, alpha)
+            acc_b = _band_rescaled(acc_b, alpha)
+        else:
+            acc_a = acc_a * alpha[:, None]
+            if BOTH:
+                acc_b = acc_b * alpha[:, None]
         m_i = m_new
     p = tl.exp2(s - m_i[:, None])
     l_i = l_i + tl.sum(p, axis=1)
     p16 = p.to(tl.float16)
-    if C_F16:
+    if C_KIND == 3:
+        if BOTH:
+            acc_a = _band_pv(p16, v0, acc_a)
+            acc_b = _band_pv(p16, v1, acc_b)
+        elif HALF == 0:
+            acc_a = _band_pv(p16, v0, acc_a)
+        else:
+            acc_a = _band_pv(p16, v1, acc_a)
+    elif C_F16:
         if BOTH:
             acc_a = tl.dot(p16, va, acc_a, out_dtype=tl.float32)
             acc_b = tl.dot(p16, vb, acc_b, out_dtype=tl.float32)
@@ -759,20 +953,33 @@ def _chunk_loop(
     qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool, stride_bt, start, end, qk_scale,
     PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
     C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
-    C_LOFF: tl.constexpr, C_F16: tl.constexpr,
+    C_LOFF: tl.constexpr, C_F16: tl.constexpr, C_SEG0: tl.constexpr, C_SEG1: tl.constexpr,
     R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
     R_SOFF: tl.constexpr, R_LOFF: tl.constexpr, R_F16: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, BOTH: tl.constexpr, ASM: tl.constexpr,
 ):
     """The token loop of one stage-1 program over tokens [start, end): (m_i [BH] base 2, l_i [BH], acc_a
-    [BH, d_c/2] of value half HALF, acc_b [BH, d_c/2] of half 1 when BOTH, else zeros), unnormalized.
+    [BH, d_c/2] of value half HALF, acc_b [BH, d_c/2] of half 1 when BOTH, else zeros), unnormalized; for a
+    band part acc_a / acc_b are tuples, one [BH, W] accumulator per segment of C_SEG0 (or C_SEG1 for HALF 1)
+    and, when BOTH, of C_SEG1 (else ()).
     HALF is a constexpr, so a program that owns one half compiles that half's dequantization only. Whole
     tiles run with a constant all-true mask, which Triton folds away (no predicates, no −inf select in the
     loop); the partial tile at the end of the range runs first, masked (the softmax is order-free)."""
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_a = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
+    if C_KIND == 3:
+        if BOTH:
+            acc_a = _band_accumulators(BLOCK_H, C_SEG0)
+            acc_b = _band_accumulators(BLOCK_H, C_SEG1)
+        elif HALF == 0:
+            acc_a = _band_accumulators(BLOCK_H, C_SEG0)
+            acc_b = ()
+        else:
+            acc_a = _band_accumulators(BLOCK_H, C_SEG1)
+            acc_b = ()
+    else:
+        acc_a = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_H, D_C // 2], dtype=tl.float32)
     whole = start + (end - start) // BLOCK_N * BLOCK_N
     # The two calls spell out their arguments: packed in a tuple and splatted, the constexprs compile as
     # tensors (Triton 3.9; the interpreter accepts it), so `_tile_step` could not specialize on them.
@@ -780,15 +987,24 @@ def _chunk_loop(
         m_i, l_i, acc_a, acc_b = _tile_step(
             m_i, l_i, acc_a, acc_b, whole, (whole + tl.arange(0, BLOCK_N)) < end, qc8, qcs, qcsum, qr8, qrs, qrsum,
             pool_ptr, bt_ptr, b, stride_pool, stride_bt, qk_scale, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G,
-            C_SOFF, C_LOFF, C_F16, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H, BLOCK_N, HALF, BOTH,
-            ASM)
+            C_SOFF, C_LOFF, C_F16, C_SEG0, C_SEG1, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H,
+            BLOCK_N, HALF, BOTH, ASM)
     every = tl.full([BLOCK_N], 1, dtype=tl.int1)
     for t0 in range(start, whole, BLOCK_N):
         m_i, l_i, acc_a, acc_b = _tile_step(
             m_i, l_i, acc_a, acc_b, t0, every, qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool,
-            stride_bt, qk_scale, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF, C_F16, R_KIND, R_ASYM, R_W,
-            R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H, BLOCK_N, HALF, BOTH, ASM)
+            stride_bt, qk_scale, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF, C_F16, C_SEG0, C_SEG1,
+            R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H, BLOCK_N, HALF, BOTH, ASM)
     return m_i, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _live_rows_out(out_ptr, b, offs_h, h_mask, start, seq_len, split, stride_ob, stride_oh, stride_os):
+    """(heads whose chunk holds tokens [BH], their partial rows [BH, 1]), computed after the token loop: Triton 3.6
+    hoisted the output pointers of a band program and spilled them across the loop."""
+    # Broadcast before comparing: the interpreter mistypes `bool tensor & bool scalar`.
+    live = h_mask & ((start + tl.zeros_like(offs_h)) < seq_len)
+    return live, out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os
 
 
 @triton.jit
@@ -798,13 +1014,15 @@ def _partial_kernel(
     H, chunk_tokens, qk_scale,
     PAGE: tl.constexpr, ROW_BYTES: tl.constexpr, D_C: tl.constexpr,
     C_KIND: tl.constexpr, C_ASYM: tl.constexpr, C_G: tl.constexpr, C_SOFF: tl.constexpr,
-    C_LOFF: tl.constexpr, C_F16: tl.constexpr,
+    C_LOFF: tl.constexpr, C_F16: tl.constexpr, C_SEG0: tl.constexpr, C_SEG1: tl.constexpr, C_ZERO0: tl.constexpr,
+    C_ZERO1: tl.constexpr,
     R_KIND: tl.constexpr, R_ASYM: tl.constexpr, R_W: tl.constexpr, R_G: tl.constexpr, R_OFF: tl.constexpr,
     R_SOFF: tl.constexpr, R_LOFF: tl.constexpr, R_F16: tl.constexpr, NG: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, D_SPLIT: tl.constexpr, ASM: tl.constexpr,
 ):
     """Stage 1: one (head block, value half when D_SPLIT = 2, chunk, sequence) -> normalized partial
-    [BH, d_c] (its half of the channels when split) and the LSE [BH].
+    [BH, d_c] (its half of the channels when split; of a band part its segments' channels, C_SEG0 or C_SEG1,
+    and its share of the 0-bit channels, `band_segments`) and the LSE [BH].
 
     program_id(0) varies fastest, so the programs of one sequence and chunk (head blocks x halves) run side by
     side and all but the first read the tile from L2. The query is read once, before the loop (an integer
@@ -822,7 +1040,10 @@ def _partial_kernel(
     bh = (b * H + offs_h).to(tl.int64)
     q8_row = q8_ptr + bh * (D_C + R_W)
     NC: tl.constexpr = D_C // C_G if C_KIND != 0 and not C_F16 else 0
-    if C_F16:  # the FP16 query in the two halves the c_kv tile is read in
+    if C_KIND == 3:  # the FP16 query of every coded segment (both programs' segments feed the scores)
+        qc8 = (_band_query(q_row, h_mask, C_SEG0), _band_query(q_row, h_mask, C_SEG1))
+        qcs, qcsum = (), ()
+    elif C_F16:  # the FP16 query in the two halves the c_kv tile is read in
         qc8 = _query_halves(q_row, h_mask, C_KIND, D_C)
         qcs, qcsum = (), ()
     else:
@@ -836,26 +1057,55 @@ def _partial_kernel(
                                             qsum_ptr + bh * NG + NC, h_mask, R_KIND, R_W, R_G)
     loop_args = (qc8, qcs, qcsum, qr8, qrs, qrsum, pool_ptr, bt_ptr, b, stride_pool, stride_bt, start, end,
                  qk_scale)
-    if D_SPLIT == 1:
-        m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
-                                             C_F16, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H,
-                                             BLOCK_N, 0, True, ASM)
-    elif half0 == 0:
-        m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
-                                             C_F16, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H,
-                                             BLOCK_N, 0, False, ASM)
+    if C_KIND == 3:
+        # a band program's accumulators are its segments' (of other shapes in each program): stored where they
+        # are made
+        if D_SPLIT == 1:
+            m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF,
+                                                 C_LOFF, C_F16, C_SEG0, C_SEG1, R_KIND, R_ASYM, R_W, R_G, R_OFF,
+                                                 R_SOFF, R_LOFF, R_F16, BLOCK_H, BLOCK_N, 0, True, ASM)
+            live, out = _live_rows_out(out_ptr, b, offs_h, h_mask, start, seq_len, split, stride_ob, stride_oh,
+                                       stride_os)
+            _band_store(out, acc_a, l_i, live, C_SEG0)
+            _band_store(out, acc_b, l_i, live, C_SEG1)
+            _band_store_zeros(out, live, C_ZERO0 + C_ZERO1, BLOCK_H)
+        elif half0 == 0:
+            m_i, l_i, acc0, _ = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
+                                            C_F16, C_SEG0, C_SEG1, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF,
+                                            R_F16, BLOCK_H, BLOCK_N, 0, False, ASM)
+            live, out = _live_rows_out(out_ptr, b, offs_h, h_mask, start, seq_len, split, stride_ob, stride_oh,
+                                       stride_os)
+            _band_store(out, acc0, l_i, live, C_SEG0)
+            _band_store_zeros(out, live, C_ZERO0, BLOCK_H)
+        else:
+            m_i, l_i, acc1, _ = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
+                                            C_F16, C_SEG0, C_SEG1, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF,
+                                            R_F16, BLOCK_H, BLOCK_N, 1, False, ASM)
+            live, out = _live_rows_out(out_ptr, b, offs_h, h_mask, start, seq_len, split, stride_ob, stride_oh,
+                                       stride_os)
+            _band_store(out, acc1, l_i, live, C_SEG1)
+            _band_store_zeros(out, live, C_ZERO1, BLOCK_H)
     else:
-        m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF, C_LOFF,
-                                             C_F16, R_KIND, R_ASYM, R_W, R_G, R_OFF, R_SOFF, R_LOFF, R_F16, BLOCK_H,
-                                             BLOCK_N, 1, False, ASM)
-
-    # Broadcast before comparing: the interpreter mistypes `bool tensor & bool scalar`.
-    live = h_mask & ((start + tl.zeros_like(offs_h)) < seq_len)
+        if D_SPLIT == 1:
+            m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF,
+                                                 C_LOFF, C_F16, C_SEG0, C_SEG1, R_KIND, R_ASYM, R_W, R_G, R_OFF,
+                                                 R_SOFF, R_LOFF, R_F16, BLOCK_H, BLOCK_N, 0, True, ASM)
+        elif half0 == 0:
+            m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF,
+                                                 C_LOFF, C_F16, C_SEG0, C_SEG1, R_KIND, R_ASYM, R_W, R_G, R_OFF,
+                                                 R_SOFF, R_LOFF, R_F16, BLOCK_H, BLOCK_N, 0, False, ASM)
+        else:
+            m_i, l_i, acc_a, acc_b = _chunk_loop(*loop_args, PAGE, ROW_BYTES, D_C, C_KIND, C_ASYM, C_G, C_SOFF,
+                                                 C_LOFF, C_F16, C_SEG0, C_SEG1, R_KIND, R_ASYM, R_W, R_G, R_OFF,
+                                                 R_SOFF, R_LOFF, R_F16, BLOCK_H, BLOCK_N, 1, False, ASM)
+        live, out = _live_rows_out(out_ptr, b, offs_h, h_mask, start, seq_len, split, stride_ob, stride_oh, stride_os)
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(out + half_channels(half0, C_KIND, D_C, not C_F16)[None, :], acc_a / safe_l[:, None],
+                 mask=live[:, None])
+        if D_SPLIT == 1:
+            tl.store(out + half_channels(1, C_KIND, D_C, not C_F16)[None, :], acc_b / safe_l[:, None],
+                     mask=live[:, None])
     safe_l = tl.where(l_i > 0, l_i, 1.0)
-    out = out_ptr + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os
-    tl.store(out + half_channels(half0, C_KIND, D_C, not C_F16)[None, :], acc_a / safe_l[:, None], mask=live[:, None])
-    if D_SPLIT == 1:
-        tl.store(out + half_channels(1, C_KIND, D_C, not C_F16)[None, :], acc_b / safe_l[:, None], mask=live[:, None])
     lse = (m_i + tl.log2(safe_l)) * 0.6931471805599453
     tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh + split, lse,
              mask=live & ((half0 + tl.zeros_like(offs_h)) == 0))
@@ -906,22 +1156,86 @@ class _Part:
     offset: int  # byte offset of the part inside the row
     scale_offset: int  # byte offset of the FP16 scales inside the part (0 for fp16 parts)
     lo_offset: int
+    # band parts: (bits, first channel, channels, byte offset of its codes, byte offset of its FP16 scale or -1
+    # for 0 bits) per band, in channel order
+    bands: tuple = ()
 
     @property
     def family(self) -> str:
-        """fp16, row (an integer part with one group) or grouped (`CKV_FAMILIES`)."""
+        """fp16, row (an integer part with one group), grouped or band (`CKV_FAMILIES`)."""
         if self.kind == _KIND_FP16:
             return "fp16"
+        if self.kind == _KIND_BAND:
+            return "band"
         return "row" if self.group == self.width else "grouped"
+
+
+def _band_part(rc, offset: int, label: str) -> _Part:
+    """The kernel's view of a band part: its bands' byte offsets read off the codec's layout (codes in band
+    order, then one FP16 scale per band of > 0 bits)."""
+    lay = rc.layout
+    if label != "c_kv":
+        raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name}: band parts are read as c_kv only")
+    if lay.width & (lay.width - 1):
+        raise BackendError(f"triton mla_decode: c_kv codec {rc.spec.name}: width {lay.width} must be a power of two")
+    if lay.code_bytes % 2:
+        raise BackendError(
+            f"triton mla_decode: c_kv codec {rc.spec.name}: {lay.code_bytes} bytes of codes put the FP16 scales (and "
+            "the k_pe part) at odd byte offsets, which the kernel does not read; bands whose widths are multiples "
+            "of 16 channels (calibration's 16-channel blocks) always give an even number")
+    bands, ch, byte, k = [], 0, 0, 0
+    for bits, w in lay.spec.bands:
+        bands.append((bits, ch, w, byte, lay.code_bytes + 2 * k if bits else -1))
+        ch, byte, k = ch + w, byte + bits * w // 8, k + (1 if bits else 0)
+    return _Part(_KIND_BAND, False, lay.width, lay.width, offset, lay.scale_offset or 0, 0, tuple(bands))
+
+
+def band_segments(part: _Part, d_split: int) -> tuple[tuple, tuple, tuple, tuple]:
+    """How the programs of one head block read a band part: (segments of program 0, segments of program 1,
+    0-bit channels program 0 stores as zeros, those program 1 stores), the last two as (channel, width) pieces
+    of power-of-two widths.
+
+    A segment (channel, W, V, bits, byte offset of its codes, byte offset of its band's FP16 scale) is one tile
+    [BN, W] of channels channel .. channel + V − 1 of one band, W a power of two ≥ 16 (the FP16 `tl.dot`'s
+    minimum K) and at most half the part, V ≤ W (V < W pads an 8-channel remainder). With `d_split` 2 the coded
+    channels are split between the two programs at a multiple of 16 channels near their middle; when they fit
+    in half the part's channels (the accumulator one program holds for other codecs) one program owns them all
+    (program 1's segments are empty, `value_split` 1)."""
+    coded = sum(w for bits, _, w, _, _ in part.bands if bits)
+    split, first = part.width, 16 * (coded // 32)
+    if d_split == 2 and coded > part.width // 2 and first:
+        seen = 0
+        for bits, ch, w, _, _ in part.bands:
+            if bits and seen + w >= first:
+                split = ch + first - seen
+                break
+            seen += w if bits else 0
+    cap = max(16, part.width // 2)
+    segs, zeros = ([], []), ([], [])
+    for bits, ch, w, byte, soff in part.bands:
+        for lo, hi in ((ch, min(ch + w, split)), (max(ch, split), ch + w)):
+            pos = lo
+            while pos < hi:
+                rem = hi - pos
+                width = min(cap, 1 << (rem.bit_length() - 1))
+                if bits:
+                    width = max(width, 16)
+                    segs[pos >= split].append((pos, width, min(width, rem), bits, byte + (pos - ch) * bits // 8, soff))
+                else:
+                    zeros[pos >= split].append((pos, width))
+                pos += min(width, rem)
+    return tuple(segs[0]), tuple(segs[1]), tuple(zeros[0]), tuple(zeros[1])
 
 
 def _part(rc, offset: int, on_gpu: bool, label: str) -> _Part:
     lay = rc.layout  # the codec's `PartLayout`: offsets are read from it, never recomputed here
     kind = lay.spec.kind
     width, group = lay.width, lay.group_size
+    if kind == "band":
+        return _band_part(rc, offset, label)
     if kind not in ("fp16", "int8", "int4"):
         raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name} is not supported "
-                           "(fp16/int8/int4 only)")
+                           "(fp16/int8/int4 and band c_kv only)")
     if width & (width - 1) or group & (group - 1):
         raise BackendError(f"triton mla_decode: {label} codec {rc.spec.name}: width {width} and group "
                            f"{group} must be powers of two")
@@ -974,8 +1288,10 @@ def _int32(t: Tensor) -> Tensor:
     return t
 
 
-def schedule_chunk(config: KernelConfig, batch: int, heads: int, longest: int, n_sm: int | None) -> int:
-    """Split-KV chunk for `batch` sequences of up to `longest` tokens on `n_sm` SMs.
+def schedule_chunk(config: KernelConfig, batch: int, heads: int, longest: int, n_sm: int | None,
+                   codec=None) -> int:
+    """Split-KV chunk for `batch` sequences of up to `longest` tokens on `n_sm` SMs (`codec`: the layer codec,
+    whose c_kv part may run fewer value programs than `config.d_split`, `value_split`).
 
     With SMs (a GPU, or the AOT cost model): a chunk of c pages gives s = ceil(pages / c) splits and
     programs(s) stage-1 programs, which take ceil(programs / n_sm) waves of c pages each; the chunk is the
@@ -984,6 +1300,8 @@ def schedule_chunk(config: KernelConfig, batch: int, heads: int, longest: int, n
     if not n_sm:
         return config.chunk_for(longest)
     block_h, _, d_split = config.tile_for(heads, on_gpu=True)
+    if codec is not None:
+        d_split = value_split(codec, heads, config, on_gpu=True)
     per_split = max(1, batch * triton.cdiv(heads, block_h) * d_split)
     pages = max(1, triton.cdiv(longest, PAGE_TOKENS))
     cost = {c: triton.cdiv(per_split * triton.cdiv(pages, c), n_sm) * c for c in range(1, pages + 1)}
@@ -1007,10 +1325,10 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _resolve_chunk(chunk_tokens: int | None, q: Tensor, longest: int, config: KernelConfig) -> int:
+def _resolve_chunk(chunk_tokens: int | None, q: Tensor, longest: int, config: KernelConfig, codec) -> int:
     if chunk_tokens is None:
         n_sm = sm_count(q.device.index or 0) if q.is_cuda else None
-        return schedule_chunk(config, q.shape[0], q.shape[1], longest, n_sm)
+        return schedule_chunk(config, q.shape[0], q.shape[1], longest, n_sm, codec)
     if not _valid_chunk(chunk_tokens):
         raise ConfigError(f"mla_decode: chunk_tokens must be a positive multiple of {PAGE_TOKENS}, "
                           f"got {chunk_tokens!r}")
@@ -1019,10 +1337,11 @@ def _resolve_chunk(chunk_tokens: int | None, q: Tensor, longest: int, config: Ke
 
 def codec_parts(codec, on_gpu: bool) -> tuple[_Part, _Part]:
     """The kernel's view of a layer codec's row (c_kv part, k_pe part); BackendError when it cannot read it."""
+    parts = _part(codec.ckv, 0, on_gpu, "c_kv"), _part(codec.kpe, codec.layout.kpe_offset, on_gpu, "k_pe")
     if codec.row_bytes % 2:
         raise BackendError(f"triton mla_decode: a row of {codec.row_bytes} bytes ({codec.name}) misaligns "
                            "the FP16 values of every other row")
-    return _part(codec.ckv, 0, on_gpu, "c_kv"), _part(codec.kpe, codec.layout.kpe_offset, on_gpu, "k_pe")
+    return parts
 
 
 def supports(codec, on_gpu: bool = True) -> str | None:
@@ -1059,6 +1378,16 @@ def scored_parts(codec, heads: int, config: KernelConfig, on_gpu: bool) -> tuple
     rounded to FP16; the others (integer) with INT8 dots on the query `_query_kernel` quantizes."""
     c, r = codec_parts(codec, on_gpu)
     return c, r, config.fp16_scores(heads, c.family), config.fp16_scores(heads, c.family, r.family)
+
+
+def value_split(codec, heads: int, config: KernelConfig, on_gpu: bool) -> int:
+    """Programs per head block that split the value channels: `tile_for`'s D_SPLIT, except 1 for a band c_kv part
+    whose coded channels fit in one program's half (`band_segments`)."""
+    d_split = config.tile_for(heads, on_gpu)[2]
+    c, _ = codec_parts(codec, on_gpu)
+    if c.kind == _KIND_BAND and d_split == 2 and not band_segments(c, 2)[1]:
+        return 1
+    return d_split
 
 
 def _as_int_scored(c: _Part, r: _Part, fp16_c: bool, fp16_r: bool) -> tuple[_Part, _Part]:
@@ -1099,7 +1428,9 @@ def stage1_launch(
     n_split = max(1, triton.cdiv(longest, chunk))
     parts = torch.empty(bsz, heads, n_split, d_c, dtype=torch.float32, device=q.device)
     lse = torch.empty(bsz, heads, n_split, dtype=torch.float32, device=q.device)
-    block_h, warps, d_split = config.tile_for(heads, on_gpu)
+    block_h, warps, _ = config.tile_for(heads, on_gpu)
+    d_split = value_split(codec, heads, config, on_gpu)
+    seg0, seg1, zero0, zero1 = band_segments(c, d_split) if c.kind == _KIND_BAND else ((), (), (), ())
     grid = (triton.cdiv(heads, block_h) * d_split, n_split, bsz)
     args = (
         q, *staged, pool, block_table, seq_lens, parts, lse,
@@ -1110,6 +1441,7 @@ def stage1_launch(
     kwargs = dict(
         PAGE=pool.shape[1], ROW_BYTES=codec.row_bytes, D_C=d_c,
         C_KIND=c.kind, C_ASYM=c.asym, C_G=c.group, C_SOFF=c.scale_offset, C_LOFF=c.lo_offset, C_F16=fp16_c,
+        C_SEG0=seg0, C_SEG1=seg1, C_ZERO0=zero0, C_ZERO1=zero1,
         R_KIND=r.kind, R_ASYM=r.asym, R_W=r.width, R_G=r.group, R_OFF=r.offset,
         R_SOFF=r.scale_offset, R_LOFF=r.lo_offset, R_F16=fp16_r, NG=_int_groups(*_as_int_scored(c, r, fp16_c, fp16_r)),
         BLOCK_H=block_h, BLOCK_N=config.block_n_for(heads, c.family), D_SPLIT=d_split, ASM=on_gpu, num_warps=warps,
@@ -1132,7 +1464,7 @@ def mla_decode_partials(
     inputs.check_kernel_layout()
     block_table, seq_lens = inputs.block_table, inputs.seq_lens
     longest = inputs.longest(max_seq_len)
-    chunk = _resolve_chunk(chunk_tokens, q, longest, config)
+    chunk = _resolve_chunk(chunk_tokens, q, longest, config, codec)
     codec_parts(codec, on_gpu)
     if q.dtype == torch.bfloat16 and not on_gpu:
         q = q.float()  # the interpreter has no bf16 arithmetic

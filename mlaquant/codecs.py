@@ -660,13 +660,14 @@ class BandCodec(RowCodec):
             u = q.squeeze(1).to(torch.int16) + (0 if bits == 8 else 1 << (bits - 1))
             codes.append(band_codecs.pack(u.to(torch.int8).view(torch.uint8) if bits == 8 else u.to(torch.uint8), bits))
             scales.append(s)
-        tail = torch.cat(scales, 1).to(torch.float16).view(torch.uint8) if scales else x32.new_empty(len(x32), 0)
-        return torch.cat([*codes, tail.to(torch.uint8)], dim=1)
+        if not scales:  # every band 0 bits: nothing is stored
+            return torch.empty(len(x32), 0, dtype=torch.uint8, device=x32.device)
+        return torch.cat([*codes, torch.cat(scales, 1).to(torch.float16).view(torch.uint8)], dim=1)
 
     def _decode(self, codes: Tensor, dtype: torch.dtype, out: Tensor | None) -> Tensor:
         lay = self.layout
         lead = codes.shape[:-1]
-        rows = codes.reshape(-1, lay.row_bytes)
+        rows = codes.reshape(math.prod(lead), lay.row_bytes)
         scales = packed_as(rows[:, lay.code_bytes :], torch.float16).float() if lay.n_groups else None
         x = torch.zeros(rows.shape[0], lay.width, device=rows.device) if out is None else out.view(-1, lay.width)
         offset, start, k = 0, 0, 0

@@ -40,10 +40,10 @@ def kernel_reference(
     (out [B, H, d_c] fp32, lse [B, H] fp32); an empty sequence gives 0, -inf.
 
     Scores use the kernel's operands (`scored_parts`): a part scored as FP16 dots on its dequantized tile
-    with the query and the decoded keys rounded to FP16; other integer parts with the query
-    `quantize_query` makes (`effective_query`) and exact keys; other FP16 parts with the query rounded; P·V
-    with the decoded values rounded to FP16, as `half_values` makes
-    them. `config`: the `KernelConfig` the kernel ran with (None: the packaged one)."""
+    (a band c_kv part always; its 0-bit channels decode to 0) with the query and the decoded keys rounded to
+    FP16; other integer parts with the query `quantize_query` makes (`effective_query`) and exact keys; other
+    FP16 parts with the query rounded; P·V with the decoded values rounded to FP16, as `half_values` /
+    `band_values` make them. `config`: the `KernelConfig` the kernel ran with (None: the packaged one)."""
     from mlaquant.kernels import mla_decode as K  # lazily: tests set TRITON_INTERPRET before triton loads
 
     config = K.load_kernel_config(config)

@@ -45,6 +45,8 @@ def test_band_codec_bands_their_bits_and_bounds():
                                tuple(1.0 - k / 40 for k in range(11)) if bits <= 4 else (1.0,))
         assert torch.equal(y[:, start : start + w], (q * s.unsqueeze(-1)).squeeze(1)), bits
         start += w
+    nothing = RowCodec.build(CodecSpec.parse("band-0x32"), 32)  # every band 0 bits: no bytes, zeros back
+    assert nothing.row_bytes == 0 and torch.equal(nothing.fake_quant(x[:, :32]), torch.zeros(256, 32))
     with pytest.raises(CodecError, match="bands cover 120 channels, width 128"):
         RowCodec.build(CodecSpec.parse("band-4x64-2x56"), 128)
     with pytest.raises(CodecError, match="a band of 12 channels at 4 bits"):

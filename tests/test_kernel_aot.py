@@ -6,7 +6,9 @@ variant against issue 27's targets (B = 32, 32k context; predictions from static
 - shared memory within the SM's limit (227 KiB on sm_90a, 163 KiB on sm_80);
 - wgmma in the sm_90a main loop from 64 heads;
 - sm_90a, H = 128, H100: every grouped c_kv codec no slower than FP16, every row-wise one at most 0.8x FP16;
-- sm_90a, H = 16, H100: INT4-row and INT8-row at least 70 % of their HBM roofline (cache bytes / 3.35 TB/s).
+- sm_90a, H = 16, H100: INT4-row and INT8-row at least 70 % of their HBM roofline (cache bytes / 3.35 TB/s);
+- band c_kv (issue 28's sub-4-bit tier, the allocations of `aot.DECODE_CODECS`): at most 0.8x FP16 at H = 128
+  (sm_90a, H100), and at H = 16 no slower than INT4-row/INT4-row, on both targets (H100 / A100).
 
 The report (every decode variant of both targets, the merge and the query kernels; not the W8A8 GEMM, whose
 variants `bench kernels --aot` also lists) runs once per session in a subprocess without TRITON_INTERPRET (the
@@ -54,7 +56,7 @@ def _us(row: dict, key: str = "H100 32k") -> float:
 
 def _ckv_family(codec: str) -> str:
     ckv = codec.split("/")[0]
-    return "fp16" if ckv == "fp16" else "row" if "-row" in ckv else "grouped"
+    return "fp16" if ckv == "fp16" else "band" if ckv.startswith("band") else "row" if "-row" in ckv else "grouped"
 
 
 def test_every_decode_variant_compiled(report, rows):
@@ -100,7 +102,14 @@ def test_at_128_heads_grouped_no_slower_than_fp16_row_wise_within_80_percent(row
         limit = fp16 if family == "grouped" else 0.8 * fp16
         assert _us(r) <= limit, (codec, _us(r), limit)
         checked.add(family)
-    assert checked == {"row", "grouped"}
+    assert checked == {"row", "grouped", "band"}
+
+
+@pytest.mark.parametrize("target,device", [("sm_90a", "H100 32k"), ("sm_80", "A100 32k")])
+def test_band_at_16_heads_no_slower_than_int4_row(rows, target, device):
+    int4 = _us(rows[(target, "int4-row/int4-row", 16)], device)
+    bands = [r for (t, codec, heads), r in rows.items() if t == target and heads == 16 and codec.startswith("band")]
+    assert len(bands) >= 2 and all(_us(r, device) <= int4 for r in bands), [(_us(r, device), int4) for r in bands]
 
 
 @pytest.mark.parametrize("codec", ["int4-row/int4-row", "int8-row/int8-row"])

@@ -93,8 +93,9 @@ def build_cache(codec: LayerCodec, seq_lens, seed: int = 0, shuffle: bool = True
         table[b, : need[b]] = torch.tensor(mine, dtype=torch.int32)
         if shuffle and b % 2:
             table[b, need[b] :] = spare[0]
-    if shuffle:  # every value of a free slot decodes to NaN, so reading one poisons the output
-        assert torch.isnan(codec.decode(pool[spare[0]])).all()
+    if shuffle:  # every value of a free slot decodes to NaN (a 0-bit band's to 0), so reading one poisons the output
+        free = codec.decode(pool[spare[0]])
+        assert (torch.isnan(free) | (free == 0)).all() and torch.isnan(free).any(-1).all()
     return pool, table, torch.tensor(seq_lens, dtype=torch.int32)
 
 
@@ -256,8 +257,8 @@ def _dot_codes(code_bytes: torch.Tensor, rc) -> torch.Tensor:
 # Scoring paths under the interpreter: the shipped narrow blocks (every integer part FP16-scored), wide blocks
 # (grouped parts FP16-scored, row-wise c_kv through INT8 dots, values in one or two programs), and every part
 # through INT8 dots (no `dequant_scores`), each against the kernel reference.
-_NO_DEQUANT = {"narrow": {"c_kv": ["fp16"], "k_pe": {f: [] for f in K.CKV_FAMILIES}},
-               "wide": {"c_kv": [], "k_pe": {f: [] for f in K.CKV_FAMILIES}}}
+_NO_DEQUANT = {"narrow": {"c_kv": ["fp16", "band"], "k_pe": {f: [] for f in K.CKV_FAMILIES}},
+               "wide": {"c_kv": ["band"], "k_pe": {f: [] for f in K.CKV_FAMILIES}}}
 SCORING = {
     "narrow": K.KernelConfig(block_n=64),
     "wide_split": K.KernelConfig(block_n=64, narrow_heads=2, block_h=8, d_split=2),
