@@ -418,6 +418,8 @@ class RowCodec(_LaidOut, ABC):
                 f"codec {self.spec.name}: expected float rows [..., {self.width}], got {x.dtype} {list(x.shape)}"
             )
         lead = x.shape[:-1]
+        if x.numel() == 0:  # no rows (an empty page or prompt): nothing to scale
+            return torch.empty(*lead, self.row_bytes, dtype=torch.uint8, device=x.device)
         return self._encode_rows(x.reshape(-1, self.width)).reshape(*lead, self.row_bytes)
 
     @abstractmethod
