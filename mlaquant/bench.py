@@ -308,6 +308,9 @@ def _run_attention(args: argparse.Namespace, contexts: list[int], codecs: list[s
     )
     print(bench_attention.format_header())
     results = bench_attention.bench_attention(batches, contexts, codecs, args.steps, fast_blocks)
+    print("\nW8A8 projections at decode (int8_matmul, backend cpu) vs FP32 GEMMs, V2-Lite layer shapes")
+    projections = bench_attention.bench_projections(batches, args.steps)
+    print(bench_attention.format_projection_table(projections))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        Path(args.out).write_text(json.dumps({"attention": results, "projections": projections}, indent=2))
     return 0

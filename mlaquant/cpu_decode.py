@@ -1,62 +1,50 @@
-"""Fast CPU decode attention over a paged, quantized latent cache: integer scores, blocked P·V, no FP32
-copy of the context. Same op and arguments as `mlaquant.ops.mla_decode` (backend "cpu"):
+"""Fast CPU decode attention over a paged, quantized latent cache: integer scores and P·V on the stored codes, no
+FP32 copy of the context. Same op and arguments as `mlaquant.ops.mla_decode` (backend "cpu"):
 
     score[b, h, t] = scale * (q[b, h, :d_c] · c_kv[b, t] + q[b, h, d_c:] · k_pe[b, t])   t < seq_lens[b]
     out[b, h]      = softmax_t(score[b, h]) @ c_kv[b]            lse[b, h] = logsumexp_t(score[b, h])
 
-Blocks. Sequences run longest first in groups of `GROUP_SEQUENCES`; block j of a group holds tokens
-[j·t, (j+1)·t) of its sequences still running (t = `block_tokens_for(codec)`, whole pages), copied out of
-the pool in one `index_select` (a view of the pool for a lone sequence on consecutive pages; a shorter
-sequence's missing pages are padded with its own, the rows past its end zeroed and their scores masked).
-Every decoded value lives in a cache-sized buffer and serves the scores and P·V before the next block is
-read; the softmax runs online over the blocks (FP32 running max and sum in base 2, flash-style), so a float
-cache is converted once. Buffers come from a per-thread `Workspace`, reused call after call.
+Blocks. Where the C kernels read every part (`mlaquant.native`: both parts integer), the whole call is one
+`Kernels.decode`: each sequence's rows are read in place from its pages, block by block (t = `block_tokens_for`),
+scores then P·V, the online softmax (running max and sum in base 2, flash-style) inside the kernels. Otherwise
+sequences run longest first in groups of `GROUP_SEQUENCES`; block j of a group holds tokens [j·t, (j+1)·t) of its
+sequences still running (whole pages), copied out of the pool in one `index_select` (a shorter sequence's missing
+pages padded with its own, the rows past its end zeroed and their scores masked), and torch ops run the softmax,
+batched over the group; buffers come from a per-thread `Workspace`.
 
-Threads. One Python thread issues each block's ops for the whole group at once (bmm, batched elementwise
-ops; `torch._int_mm` per sequence, CPU torch has no batched one) and torch's intra-op threads split each
-op. The last release ran one sequence per Python thread instead: on 2 cores that scaled 1.0-1.3x (the GIL
-is released and retaken around every op, and this path issues ~40 per block) where two processes scaled
-2x (README, "The decode-attention call", has both releases' times; `mlaquant bench decode --batch 16
---fast-blocks BxG,...` times other block and group sizes).
+Scores of an integer part (int8/int4, sym/asym, any grouping). The query is quantized per (token, head, group)
+exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q8 = round_half_even(q / qs)). The C
+kernels (`mlaquant/csrc/decode_kernels.c`, the ISA variant `mlaquant.native` picks) sum q8 · c' exactly in INT32
+per group on the codes as stored (c' = q for int8 sym, q − 128 asym, nibble − 8 int4 sym, nibble asym) and fuse
+the FP32 epilogue Σ_g (qs_g · s_g) · dot_g (+ (Σq8 · qs_g) · lo'_g, lo' = lo + 128 s for int8 asym, lo for int4
+asym), reading the FP16 scales and zero points themselves. Without them (`c_kernels=False`, or no compiler):
+`torch._int_mm` per sequence and group on int8 codes (sym int8 a view, asym int8 XOR 0x80, int4 by the C unpack
+or `unpack_nibbles`, channel order `_Part.perm`), then the same epilogue in torch. A float part is decoded into an
+FP32 block and multiplied in FP32 (fp16/fp16: one [t, d_c + d_r] block, one GEMM).
 
-Scores of an integer part (int8/int4, sym/asym, any grouping). The query is quantized per (token, head,
-group) exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q8 = round_half_even(q /
-qs)); per group one int8 x int8 -> int32 `torch._int_mm` (oneDNN, VNNI where the CPU has it) of the
-block's codes with q8, exact; then in FP32 `qs * s * dot` (+ `qs * lo' * Σq8` for asymmetric groups).
-Codes enter the GEMM as int8: sym int8 as stored (a view, no copy), asym int8 as q − 128 (one XOR of the
-byte with 0x80) with lo' = lo + 128 s; int4 codes by the C unpack (`mlaquant.native`: one pass, symmetric
-codes signed q, asymmetric ones unsigned 0..15 with lo' = lo) or, where it cannot be built, by torch ops
-(`unpack_nibbles`: unsigned nibbles, one AND, one shift, one AND per 16- to 64-bit word; symmetric codes
-are then q + 8 and the 8 · Σq8 comes off the INT32 dots before the epilogue, exact). A float part (fp16,
-bf16, fp32, fp8) is decoded by its codec into an FP32 block and multiplied in FP32; two float parts of one
-kind (fp16/fp16) are one [t, d_c + d_r] block and one GEMM.
-
-P·V. A row-wise integer c_kv part (one scale s_t per row) is never dequantized: the scaled probabilities
-p_t·s_t of a block are written as two int8 digits per head (`split_probs`: m · (hi + lo/128), m = max_t
-s_t / 127, |error| ≤ m/256), and one int8 x int8 -> int32 GEMM [2H, t] x [t, d_c] per sequence on the
-codes gives both digits' exact sums (less 8 · Σ digits for symmetric int4), combined in FP32 (+ probs @
-lo' for asymmetric codes). A grouped integer part is dequantized block by block in FP32 (`(q − bias) · s
-+ lo'`) and multiplied in FP32 (per-group integer GEMMs, one per group and block, measured slower); a
-float part is its FP32 block from the scores. int4 codes are unpacked as [low nibbles | high nibbles]
-(channel order `_Part.perm`, undone once on the output): one contiguous pass instead of an interleaving
-one. BF16 P·V (codes exact in BF16) is not used: torch on CPU has no BF16 GEMM with an FP32 result, and
-rounding each block's output to BF16 (2^-9 relative) loses more than the two digits do (m/256 per entry).
+P·V. An integer c_kv part (row-wise or grouped) read by the C kernels is never dequantized: per group g of a block
+P[h, t] = rint(p · s_t,g · 32767 / M_g) in int16, M_g = max_t |s_t,g|, S = Σ_t P · c' exact (INT32 per 256-token
+chunk, |P| ≤ 32767, |c'| ≤ 128; FP64 across chunks, exact below 2^53), acc += M_g / 32767 · S + Σ_t p · lo'.
+With torch ops a row-wise part takes two int8 digits of p·s in one `torch._int_mm` (`split_probs`: |error| ≤
+m / 256, m = max_t |s_t| / 127), a grouped part is dequantized block by block into FP32; a float part is its FP32
+block from the scores.
 
 Error against the FP32 reference (`mla_decode_reference`, the same quantized cache):
 
-  scores   the only approximation is the query's quantization: per group |q - q8·qs| ≤ qs/2 per
-           channel, so |Δscore| ≤ scale · Σ_groups (qs_g / 2) · Σ_c∈g |k_c|  (the same as the kernel);
-           the INT32 dots are exact and the FP32 epilogue adds a few ulps. Float parts: FP32 rounding only.
-  P·V      a score error Δs moves each probability by a factor within e^(±2Δs), so |Δout[h, c]| ≤
-           (e^(2 Δs) − 1) · max_t |v[t, c]|; FP32 P·V and the online rescaling add ≤ 2^-12 · max_t |v[t, c]|
-           (≤ 2048 · 2^-24 = 2^-13 within a block's FP32 GEMM, blocks of at most 2048 FP32 values, a few
-           2^-24 per block merge, for T < 2^20);
-           the two int8 digits of p·s (row-wise integer c_kv) add ≤ e^(4Δs) · max_t |s_t| · Σ_t |q_t,c| /
-           (127 · 256 · Σ_t p_t), p_t = e^(score_t − max score), s_t signed, q the codes (`error_bound` computes it).
-  lse      |Δlse| ≤ Δs = max_t |Δscore[t]| (+ FP32 rounding).
+  scores   the query's quantization: |q − q8·qs| ≤ qs/2 per channel, so |Δscore| ≤ scale · Σ_groups (qs_g / 2) ·
+           Σ_c∈g |k_c| (the same as the kernel); the integer sums are exact; the FP32 epilogue sums the G groups
+           of both parts in order: ≤ (G + 4) · 2^-24 · Σ_c |q_c k_c| (at least the 2^-20 of FP32 GEMMs).
+  P·V      a score error Δs moves each probability by a factor within e^(±2Δs), so |Δout[h, c]| ≤ (e^(2 Δs) − 1)
+           · max_t |v[t, c]|; FP32 P·V and the online rescaling add ≤ 2^-12 · max_t |v[t, c]| (this covers the
+           kernels' own exp2 too: relative error ≤ 2^-21, tests/test_native_kernels.py); P on the codes adds
+           ≤ e^(4Δs) · step · M_g(c) · Σ_t |c'_t,c| / Σ_t p_t, p_t = e^(score_t − max score): step = (1/2 + 2^-7) /
+           32767 for the kernels' int16 P (rounding, plus the FP32 product p · s · 32767 / M), 1 / (127 · 256) for
+           the torch ops' two int8 digits.
+  lse      |Δlse| ≤ Δs = max_t |Δscore[t]| (+ FP32 rounding and the kernels' exp2: 2^-21 relative in the sum).
 
-`error_bound` computes the lse and output bounds of a call; tests/test_cpu_decode.py checks the outputs
-against them (ragged batch, NaN-filled free slots and blocks, permuted block tables).
+`error_bound` computes the lse and output bounds of a call for the path that runs (`pv_kind`);
+tests/test_cpu_decode.py checks the outputs against them (ragged batch, NaN-filled free slots and blocks, permuted
+block tables), both with the C kernels and with torch ops.
 """
 
 from __future__ import annotations
@@ -74,16 +62,19 @@ from mlaquant.decode_inputs import DecodeInputs, gather_pages
 BLOCK_TOKENS = 1024  # tokens per sequence and block of a float c_kv (an FP32 block: 2.25 MiB at d 576)
 GROUPED_BLOCK_TOKENS = 2048  # a grouped integer c_kv: int8 codes in, FP32 values only for P·V
 INT_BLOCK_TOKENS = 4096  # row-wise integer c_kv: P·V on the codes, no FP32 values, so fewer and larger blocks
-GROUP_SEQUENCES = 2  # sequences whose blocks run as one batch of ops (module docstring, "Threads")
+GROUP_SEQUENCES = 2  # sequences whose blocks run as one batch of torch ops, split by torch's intra-op threads
 LOG2E, LN2 = 1.4426950408889634, 0.6931471805599453  # scores run in base 2 (`_Group`)
 
 
-def block_tokens_for(codec: LayerCodec) -> int:
-    """Tokens per sequence and block for `codec` (`mlaquant bench decode --batch 16 --fast-blocks`)."""
+def block_tokens_for(codec: LayerCodec, c_kernels: bool = True) -> int:
+    """Tokens per sequence and block for `codec` (`mlaquant bench decode --batch 16 --fast-blocks`): an integer
+    c_kv read by the C kernels needs no FP32 block, so it takes `INT_BLOCK_TOKENS` grouped or not."""
     ckv = codec.ckv
     if ckv.spec.kind not in _INT_KINDS:
         return BLOCK_TOKENS
-    return INT_BLOCK_TOKENS if ckv.layout.n_groups == 1 else GROUPED_BLOCK_TOKENS
+    if ckv.layout.n_groups == 1 or (c_kernels and native.kernels() is not None):
+        return INT_BLOCK_TOKENS
+    return GROUPED_BLOCK_TOKENS
 _INT_KINDS = ("int8", "int4")
 
 
@@ -102,10 +93,13 @@ def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
 FAST_MAX_GROUPS = 8  # integer parts with more stored groups run one GEMM per group and block: slower than the reference
 
 
-def prefers(codec: LayerCodec) -> bool:
-    """Whether this path beats the reference on `codec` once a call reads enough tokens: float parts and
-    integer parts of at most `FAST_MAX_GROUPS` stored groups (`mlaquant bench decode --batch 1,16`: int4-g32
-    c_kv, 16 groups, ran slower than the reference at batch 1)."""
+def prefers(codec: LayerCodec, c_kernels: bool | None = None) -> bool:
+    """Whether this path beats the reference on `codec` once a call reads enough tokens: always where the C
+    kernels read its integer parts (`c_kernels`, default: whether they are built here); with torch ops, float
+    parts and integer parts of at most `FAST_MAX_GROUPS` stored groups (`mlaquant bench decode --batch 1,16`:
+    int4-g32 c_kv, 16 groups, ran slower than the reference at batch 1)."""
+    if c_kernels if c_kernels is not None else native.kernels() is not None:
+        return True
     return all(rc.spec.kind not in _INT_KINDS or rc.layout.n_groups <= FAST_MAX_GROUPS for rc in (codec.ckv, codec.kpe))
 
 
@@ -168,10 +162,20 @@ class _Part:
     """How one row part (c_kv, k_pe, or a whole float row) is read: its byte range in the row, its codes,
     scales and zero points, and the query's form for it."""
 
-    def __init__(self, rc: RowCodec, offset: int, device: torch.device, name: str, c_unpack: bool = True) -> None:
+    def __init__(self, rc: RowCodec, offset: int, device: torch.device, name: str, c_unpack: bool = True,
+                 c_kernels: bool = True) -> None:
         self.rc, self.offset, self.name = rc, offset, name
         self.is_int = rc.spec.kind in _INT_KINDS
         self.asym = self.is_int and not rc.spec.symmetric  # values codes · s + lo', lo' per row and group
+        # the C kernels (`mlaquant.native`) read the part's stored codes, scales and zero points themselves:
+        # channels in their stored order, no unpack, no bias
+        self.kern = native.kernels() if c_kernels and self.is_int and device.type == "cpu" else None
+        if self.kern is not None:
+            lay = rc.layout
+            self.cpart = native.Part(native.KINDS[(rc.spec.kind, rc.spec.symmetric)], rc.width, lay.group_size,
+                                     lay.scale_offset, lay.zero_offset or 0)
+            self.native, self.bias, self.perm, self.n_g, self.g = None, 0, None, lay.n_groups, lay.group_size
+            return
         # int4 codes from the C unpack (None: not asked for or not built, torch ops); symmetric ones read
         # unsigned by torch ops are q + 8, and the GEMMs' INT32 sums take − 8 · Σ (exact)
         self.native = native.unpack_int4() if c_unpack and rc.spec.kind == "int4" else None
@@ -243,6 +247,9 @@ class _Part:
         stays the kernel's."""
         if not self.is_int:
             return (x * factor).contiguous()
+        if self.kern is not None:  # (q8 int8 [B, H, W], qs · factor fp32 [B, H, n_g]), stored channel order
+            q8, qs = quantize_query(x, self.rc.layout.group_size)
+            return q8.contiguous(), (qs * factor).contiguous()
         batch, heads, _ = x.shape
         q8, qs = self.quantized_query(x)  # [B, H, W], [B, H, n_g]
         qs = qs * factor
@@ -314,11 +321,23 @@ def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, query:
     return scores.addcmul_(qlo, lo.transpose(1, 2)) if part.n_g == 1 else scores.baddbmm_(qlo, lo.transpose(1, 2))
 
 
+class _BlockRows:
+    """The gathered rows of one block of a group's first a sequences: raw uint8 [a, t, row_bytes], n_valid[i] of
+    sequence i's own; invalid bool [a, t] | None marks rows past a sequence's end (their bytes zero)."""
+
+    def __init__(self, t: int, n_valid: list[int], raw: Tensor, invalid: Tensor | None = None) -> None:
+        self.a, self.t, self.n_valid, self.raw, self.invalid = len(n_valid), t, n_valid, raw, invalid
+
+    def rows(self, i: int) -> native.Rows:
+        """Where sequence i's rows lie (their first byte), for the C kernels."""
+        return native.Rows(self.raw[i], 0, self.raw.stride(1))
+
+
 class _Group:
     """Online-softmax state of a group of sequences, longest first, over their blocks: running max
     m [A, H], sum l [A, H], acc [A, H, d_c]. Block j holds tokens [j·t, (j+1)·t) of the group's first a
     sequences (those still running), so every op of a block serves them all: one Python thread issues
-    few, large ops and torch's intra-op threads share each (module docstring, "Threads")."""
+    few, large ops and torch's intra-op threads share each (the C kernels: OpenMP, per sequence)."""
 
     def __init__(self, queries: list, parts: tuple[_Part, ...], d_c: int, ws: Workspace,
                  state: tuple[Tensor, Tensor, Tensor]) -> None:
@@ -330,13 +349,24 @@ class _Group:
         self.m, self.l, self.acc = state
         self.first = True
 
-    def block(self, raw: Tensor, invalid: Tensor | None) -> None:
-        """Fold in the rows raw uint8 [a, t, row_bytes] of the group's first a sequences; invalid bool
-        [a, t] marks rows past a sequence's end (their bytes zero: finite values, masked scores) or None."""
-        a, t = raw.shape[:2]
-        flat = raw.reshape(a * t, raw.shape[2])
+    def _scores(self, blk: _BlockRows) -> tuple[Tensor, object]:
+        """The base-2 scores [a, H, t] of a gathered block and what its P·V reads: an FP32 [a, t, d_c] block, the
+        codes (codes, s, lo'), or None where the C kernels read the c_kv part's codes from the rows themselves."""
+        a, t = blk.a, blk.t
+        flat = blk.raw.reshape(a * t, blk.raw.shape[2])
         scores, values = None, None
-        for p, qp in zip(self.parts, self.q):
+        for k, (p, qp) in enumerate(zip(self.parts, self.q)):
+            if p.kern is not None:  # C: every sequence's rows where they are, with the fused FP32 epilogue ...
+                if k and self.parts[k - 1].kern is not None:
+                    continue  # ... of both parts in one call
+                both = [(pk, qk) for pk, qk in zip(self.parts[k:], self.q[k:]) if pk.kern is not None]
+                out = self.ws.get(p.name + ".scores", (a, self.acc.shape[1], t), torch.float32) if scores is None \
+                    else scores
+                for i in range(a):
+                    mine = [(pk.cpart, pk.offset, qk[0][i], qk[1][i]) for pk, qk in both]
+                    p.kern.scores(blk.rows(i), t, mine, out[i], scores is not None)  # zeroed rows past the end: masked
+                scores = out
+                continue
             part = p.bytes_of(flat)
             if p.is_int:
                 s, lo = (None if x is None else x.view(a, t, -1) for x in p.params(part))
@@ -355,8 +385,14 @@ class _Group:
                 if p is self.parts[0]:
                     values = rows[..., : self.d_c]
             scores = part_scores
-        if invalid is not None:
-            scores.masked_fill_(invalid.unsqueeze(1), float("-inf"))
+        if blk.invalid is not None:
+            scores.masked_fill_(blk.invalid.unsqueeze(1), float("-inf"))
+        return scores, values
+
+    def block(self, blk: _BlockRows) -> None:
+        """Fold in one block of rows of the group's first a sequences (`_BlockRows`)."""
+        scores, values = self._scores(blk)
+        a = blk.a
         m_old, total, acc = self.m[:a], self.l[:a], self.acc[:a]
         if self.first:  # nothing to rescale yet (a 4k sequence is one block)
             torch.amax(scores, -1, out=m_old)  # scores [a, H, t], base 2
@@ -370,9 +406,13 @@ class _Group:
             total.mul_(alpha).add_(probs.sum(-1))
             acc.mul_(alpha.unsqueeze(-1))
             m_old.copy_(m)
-        if isinstance(values, Tensor):
+        p = self.parts[0]
+        if values is None:  # C: P·V on the codes of the rows where they are (row-wise or grouped)
+            for i in range(a):
+                p.kern.pv(blk.rows(i), blk.n_valid[i], p.cpart, probs[i], acc[i])
+        elif isinstance(values, Tensor):
             acc.baddbmm_(probs, values)
-        elif self.parts[0].n_g == 1:
+        elif p.n_g == 1:
             self._int_pv(acc, probs, *values)
         else:
             self._dequant_pv(acc, probs, *values)
@@ -418,22 +458,24 @@ def _finish(ckv: _Part, m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tensor, 
     return acc.div_(total.unsqueeze(-1)), m.add_(torch.log2(total)).mul_(LN2)
 
 
-def row_parts(codec: LayerCodec, device: torch.device, c_unpack: bool = True) -> tuple[_Part, ...]:
+def row_parts(codec: LayerCodec, device: torch.device, c_unpack: bool = True,
+              c_kernels: bool = True) -> tuple[_Part, ...]:
     """How the blocks read a row: (c_kv part, k_pe part), or one part for the whole row where both parts
     are the same float kind (fp16/fp16: one FP32 conversion and one score GEMM [H, d_c + d_r] x [d_c + d_r,
     t] per block instead of two of each; the values are the first d_c columns of that block). c_unpack:
-    int4 codes by the C helper where it builds (`mlaquant.native`), else by torch ops."""
+    int4 codes by the C helper where it builds (`mlaquant.native`), else by torch ops; c_kernels: integer parts
+    read by the C kernels where they build."""
     ckv, kpe = codec.ckv.spec, codec.kpe.spec
     if ckv.is_float and ckv == kpe:
         row = RowCodec.build(CodecSpec(ckv.kind), codec.ckv.width + codec.kpe.width)
         return (_Part(row, 0, device, "row"),)
-    return (_Part(codec.ckv, 0, device, "ckv", c_unpack),
-            _Part(codec.kpe, codec.layout.kpe_offset, device, "kpe", c_unpack))
+    return (_Part(codec.ckv, 0, device, "ckv", c_unpack, c_kernels),
+            _Part(codec.kpe, codec.layout.kpe_offset, device, "kpe", c_unpack, c_kernels))
 
 
 def _group_blocks(pool: Tensor, pages: list[list[int]], lens: list[int], block_tokens: int, ws: Workspace):
-    """(rows uint8 [a, t, row_bytes], invalid bool [a, t] | None) of each block of a group of sequences
-    (pages[i] and lens[i] > 0 per sequence, longest first), block by block: the a sequences still running,
+    """The gathered `_BlockRows` (rows uint8 [a, t, row_bytes], invalid bool [a, t] | None) of each block of a
+    group of sequences (pages[i] and lens[i] > 0 per sequence, longest first): the a sequences still running,
     t = whole pages up to block_tokens. One sequence: its valid rows only (a view of the pool where the
     block's pages are consecutive, else a copy of those pages). Several: a copy of their pages, a shorter
     sequence's missing pages filled with one of its own and the rows past its end zeroed and marked."""
@@ -447,15 +489,16 @@ def _group_blocks(pool: Tensor, pages: list[list[int]], lens: list[int], block_t
         ids = [row + row[:1] * (width - len(row)) for row in ids]
         raw = gather_pages(pool, ids, out=ws.get("raw", (len(ids), width * block_size, row_bytes), torch.uint8))
         if len(ids) == 1:
-            yield raw[:, : n_valid[0]], None
+            yield _BlockRows(n_valid[0], n_valid, raw[:, : n_valid[0]])
             continue
         t = width * block_size
         if all(n == t for n in n_valid):
-            yield raw, None
+            yield _BlockRows(t, n_valid, raw)
             continue
         for row, n in zip(raw, n_valid):
             row[n:] = 0
-        yield raw, torch.arange(t, device=pool.device) >= torch.tensor(n_valid, device=pool.device).unsqueeze(1)
+        invalid = torch.arange(t, device=pool.device) >= torch.tensor(n_valid, device=pool.device).unsqueeze(1)
+        yield _BlockRows(t, n_valid, raw, invalid)
 
 
 def mla_decode_cpu(
@@ -469,16 +512,20 @@ def mla_decode_cpu(
     block_tokens: int | None = None,
     group: int = GROUP_SEQUENCES,
     c_unpack: bool = True,
+    c_kernels: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Fast CPU `mla_decode` (module docstring): q [B, H, d_c + d_r] float, pool uint8 [num_blocks,
     block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B] → out [B, H, d_c] fp32,
     lse [B, H] fp32 (seq_lens 0: out 0, lse −inf). block_tokens: tokens per sequence and block, rounded to
-    whole pages (default `block_tokens_for(codec)`); group: sequences whose blocks run as one batch of ops,
-    longest first; c_unpack: int4 codes by the C helper where it builds (`mlaquant.native`), else by torch
-    ops (the same outputs bit for bit: the same INT32 sums)."""
+    whole pages (default `block_tokens_for(codec)`); group: sequences whose blocks run as one batch of torch ops,
+    longest first; c_unpack: int4 codes by the C helper where it builds (`mlaquant.native`), else by torch ops (the
+    same outputs bit for bit: the same INT32 sums); c_kernels: integer parts by the C kernels where they build
+    (`mlaquant.native.kernels`; every part integer: the whole call in one `Kernels.decode`, rows read in place, the
+    online softmax inside the kernels)."""
     pages, lens = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c).host_pages()
-    block_tokens = block_tokens or block_tokens_for(codec)
-    parts = row_parts(codec, q.device, c_unpack)
+    block_tokens = block_tokens or block_tokens_for(codec, c_kernels)
+    parts = row_parts(codec, q.device, c_unpack, c_kernels)
+    in_place = all(p.kern is not None for p in parts) and pool.is_contiguous()
     batch, heads, _ = q.shape
     out = torch.zeros(batch, heads, d_c, device=q.device)
     lse = torch.full((batch, heads), float("-inf"), device=q.device)
@@ -488,13 +535,17 @@ def mla_decode_cpu(
     queries = [p.query(xp, scale * LOG2E) for p, xp in zip(parts, x)]
     ws, n = _workspace(), len(order)
     m, total = torch.empty(n, heads, device=q.device), torch.empty(n, heads, device=q.device)
-    acc = torch.zeros(n, heads, d_c, device=q.device)
-    for g0 in range(0, n, group):
+    acc = ws.get("acc", (n, heads, d_c), torch.float32).zero_()  # a reused buffer: no fresh pages to fault in
+    if in_place and n:
+        block_tokens = max(pool.shape[1], block_tokens // pool.shape[1] * pool.shape[1])
+        parts[0].kern.decode(pool, [torch.tensor(pages[b], dtype=torch.int64) for b in order], [lens[b] for b in order],
+                             block_tokens, [(p.cpart, p.offset, *qp) for p, qp in zip(parts, queries)], acc, m, total)
+    for g0 in range(0, 0 if in_place else n, group):  # torch-op blocks: gathered rows, in groups of sequences
         seqs = order[g0 : g0 + group]
         state = (m[g0 : g0 + len(seqs)], total[g0 : g0 + len(seqs)], acc[g0 : g0 + len(seqs)])
         runner = _Group([_rows(qp, g0, g0 + len(seqs)) for qp in queries], parts, d_c, ws, state)
-        for raw, invalid in _group_blocks(pool, [pages[b] for b in seqs], [lens[b] for b in seqs], block_tokens, ws):
-            runner.block(raw, invalid)
+        for blk in _group_blocks(pool, [pages[b] for b in seqs], [lens[b] for b in seqs], block_tokens, ws):
+            runner.block(blk)
     o, s = _finish(parts[0], m, total, acc)
     return out.index_copy_(0, index, o), lse.index_copy_(0, index, s)
 
@@ -504,22 +555,39 @@ def _rows(query, begin: int, end: int):
     return query[begin:end] if isinstance(query, Tensor) else tuple(x if x is None else x[begin:end] for x in query)
 
 
+def pv_kind(codec: LayerCodec, c_kernels: bool = True) -> str:
+    """How `mla_decode_cpu` runs P·V of `codec`'s c_kv: "int16" (the C kernels, an integer c_kv row-wise or grouped),
+    "digits" (torch ops, a row-wise integer c_kv: two int8 digits), or "fp32"."""
+    if codec.ckv.spec.kind not in _INT_KINDS:
+        return "fp32"
+    if c_kernels and native.kernels() is not None:
+        return "int16"
+    return "digits" if codec.ckv.layout.n_groups == 1 else "fp32"
+
+
+PV_STEP = {"digits": 1.0 / (127.0 * 256.0), "int16": (0.5 + 2.0**-7) / 32767.0}  # |ΔP·s| per unit of max |s|
+
+
 def error_bound(
     q: Tensor, rows: list[Tensor], codec: LayerCodec, d_c: int, scale: float,
-    row_scales: list[Tensor] | None = None, quantized_query: bool = True,
+    row_scales: list[Tensor] | None = None, quantized_query: bool = True, c_kernels: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Worst-case |lse error| [B, H] and |out error| [B, H, d_c] of `mla_decode_cpu` against the FP32
     reference, for q [B, H, d_c + d_r] and each sequence's decoded rows [T_b, d_c + d_r] (module
-    docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + 2^-20 · Σ_c |q_c k_c|) · (1 + 2^-10) over the
-    tokens (the qs term only when `quantized_query`: off for a query already equal to its quantized
-    value), Δout = (e^(2 Δs) − 1 + 2^-12) · max_t |v[t, c]| + the P·V digit term of a row-wise integer
-    c_kv part, e^(4 Δs) · max_t |s_t| · Σ_t |q_t,c| / (127 · 256 · Σ_t p_t) with p_t = e^(score_t − max)
-    and s_t = `row_scales[b]` fp32 [T_b] (the stored c_kv row scales; required for such a part); |q_t,c| =
-    |v_t,c| / s_t for symmetric codes (the int4 bias comes off the INT32 sums exactly), the codes' bound
-    for asymmetric ones (128 int8, 15 int4: their zero points are added apart)."""
-    int_pv = codec.ckv.spec.kind in _INT_KINDS and codec.ckv.layout.n_groups == 1
-    if int_pv and row_scales is None:
+    docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + ε · Σ_c |q_c k_c|) · (1 + 2^-10) over the tokens,
+    ε = max(2^-20, (G + 4) · 2^-24) for the G groups of both parts summed in order by the FP32 epilogue (the qs
+    term only when `quantized_query`: off for a query already equal to its quantized value), Δout = (e^(2 Δs) −
+    1 + 2^-12) · max_t |v[t, c]| + the P·V term of an integer c_kv on its codes (`pv_kind`), e^(4 Δs) · step ·
+    M_g(c) · Σ_t |q_t,c| / Σ_t p_t: M_g = max_t |s_t,g| of `row_scales[b]` fp32 [T_b, n_g] (the stored c_kv
+    scales; required for such a part), step = (1/2 + 2^-7) / 32767 for the int16 P of the C kernels (rounding
+    plus the FP32 product p · s · 32767 / M), 1 / (127 · 256) for the torch ops' two int8 digits (row-wise only),
+    p_t = e^(score_t − max); |q_t,c| = |v_t,c| / |s_t,g| for symmetric codes, the codes' bound for asymmetric
+    ones (128 int8, 15 int4: their zero points are added apart)."""
+    kind = pv_kind(codec, c_kernels)
+    if kind != "fp32" and row_scales is None:
         raise ValueError(f"error_bound: codec {codec.name} decodes P·V on the codes; pass row_scales")
+    groups = sum(rc.layout.n_groups for rc in (codec.ckv, codec.kpe) if rc.spec.kind in _INT_KINDS)
+    eps = max(2.0**-20, (groups + 4) * 2.0**-24)
     d_score, d_out = [], []
     for b, (qb, kv) in enumerate(zip(q.float(), rows)):
         heads = qb.shape[0]
@@ -528,7 +596,7 @@ def error_bound(
             d_out.append(torch.zeros(heads, d_c, device=q.device))
             continue
         k_abs = kv.abs()
-        bound = (qb.abs() @ k_abs.t()) * 2.0**-20  # [H, T]: FP32 products and sums
+        bound = (qb.abs() @ k_abs.t()) * eps  # [H, T]: FP32 products and sums
         for rc, sl in ((codec.ckv, slice(0, d_c)), (codec.kpe, slice(d_c, None))):
             g = rc.layout.group_size
             if rc.spec.kind in _INT_KINDS and quantized_query:
@@ -536,8 +604,8 @@ def error_bound(
                 bound += (qs / 2) @ _grouped(k_abs[:, sl], g).sum(-1).t()
         ds = scale * (1 + 2.0**-10) * bound.amax(-1)
         out = (torch.expm1(2 * ds) + 2.0**-12).unsqueeze(-1) * kv[:, :d_c].abs().amax(0)
-        if int_pv:
-            out += _digit_bound(qb, kv, codec, d_c, scale, row_scales[b], ds)
+        if kind != "fp32":
+            out += _code_pv_bound(qb, kv, codec, d_c, scale, row_scales[b], ds, PV_STEP[kind])
         d_score.append(ds)
         d_out.append(out)
     return torch.stack(d_score), torch.stack(d_out)
@@ -548,15 +616,18 @@ def _grouped(x: Tensor, group_size: int) -> Tensor:
     return x.unflatten(-1, (-1, group_size))
 
 
-def _digit_bound(q: Tensor, kv: Tensor, codec: LayerCodec, d_c: int, scale: float, s: Tensor, ds: Tensor) -> Tensor:
-    """The P·V digit term of `error_bound` for one sequence: [H, d_c]."""
+def _code_pv_bound(q: Tensor, kv: Tensor, codec: LayerCodec, d_c: int, scale: float, s: Tensor, ds: Tensor,
+                   step: float) -> Tensor:
+    """The P·V-on-the-codes term of `error_bound` for one sequence (s fp32 [T, n_g]): [H, d_c]."""
     scores = (q @ kv.t()) * scale  # [H, T]
     p = (scores - scores.amax(-1, keepdim=True)).exp()
+    gs = codec.ckv.layout.group_size
+    s = s.reshape(kv.shape[0], -1).abs()
+    per_channel = s.repeat_interleave(gs, dim=1)  # [T, d_c]: |s_t,g(c)|
     if codec.ckv.spec.symmetric:
-        s = s.abs()
-        safe = torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
+        safe = torch.where(per_channel > 0, per_channel, torch.ones_like(per_channel))
         sum_q = (kv[:, :d_c].abs() / safe).sum(0)  # [d_c]
     else:
         sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 15.0) * kv.shape[0], device=kv.device)
-    top = s.abs().amax() / (127.0 * 256.0 * p.sum(-1))  # [H]: the digits' m = max_t |s_t| / 127 (`split_probs`)
-    return (torch.exp(4 * ds) * top).unsqueeze(-1) * sum_q
+    top = per_channel.amax(0) * step  # [d_c]: M_g(c) · step
+    return (torch.exp(4 * ds) / p.sum(-1)).unsqueeze(-1) * (top * sum_q)

@@ -21,10 +21,12 @@ like a cache codec's: by the calibration search (`int8_matmul` in configs/calibr
 off again layer by layer while the plan is over budget) and by the sweep.
 
 Backends: "torch" sums the INT8 products exactly in FP64, batched over heads; "cpu" runs them as real
-int8 x int8 -> int32 GEMMs (`torch._int_mm`, one per head), exact as long as K · 127² < 2^31 (K ≤ 133 144;
-longer rows fall back to the FP64 sums), so its results are bit-identical to "torch"; "triton" runs every
-head in one launch (`int8_gemm_grouped`; CUDA, or CPU under TRITON_INTERPRET=1); "auto" picks triton on
-CUDA and cpu on CPU.
+int8 x int8 -> int32 GEMMs, exact as long as K · 127² < 2^31 (K ≤ 133 144; longer rows fall back to the FP64
+sums), so its results are bit-identical to "torch": activation codes, every head's sums and the epilogue in
+one call of the C kernels (`mlaquant.native` `w8a8`: avx2 madd, or VNNI) where a vector ISA variant is built,
+else `torch._int_mm` per head where torch's int8 GEMM has VNNI (without it ~10x slower than an FP32 GEMM,
+issue 29), else the FP64 sums; "triton" runs every head in one launch (`int8_gemm_grouped`; CUDA, or CPU
+under TRITON_INTERPRET=1); "auto" picks triton on CUDA and cpu on CPU.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from mlaquant import ops
+from mlaquant import native, ops
 from mlaquant.int8_quant import OUT_DTYPES, quantize_activation, quantize_weight_per_channel
 from mlaquant.model import MLAAttention, MLAModel, shallow_copy
 
@@ -56,17 +58,32 @@ def grouped_int8_matmul(x: Tensor, w_int8: Tensor, w_scale: Tensor, backend: str
     lead, (g, k) = x.shape[:-2], x.shape[-2:]
     if ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.TRITON.value:
         return ops.load_kernel("int8_gemm_grouped")(x, w_int8, w_scale, out_dtype)
+    cpu = ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.CPU.value
+    kern = _vector_kernels() if cpu and x.device.type == "cpu" and k < INT32_EXACT_K else None
+    if kern is not None:  # one C call: activation codes, exact INT32 sums and the epilogue
+        return kern.w8a8(x.reshape(-1, g, k), w_int8, w_scale).to(out_dtype).reshape(*lead, g, w_int8.shape[1])
     x8, sx, _ = quantize_activation(x.reshape(-1, k))
     x8 = x8.view(-1, g, k)
-    if ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.CPU.value and k < INT32_EXACT_K:
-        acc = torch.empty(g, x8.shape[0], w_int8.shape[1], dtype=torch.int32, device=x.device)
-        for i in range(g):
-            torch._int_mm(x8[:, i], w_int8[i].t(), out=acc[i])  # exact INT32 sums
-        acc = acc.transpose(0, 1).float()
+    if cpu and k < INT32_EXACT_K and ops.torch_int8_vnni():
+        acc = int_mm_sums(x8, w_int8).transpose(0, 1).float()
     else:
         acc = torch.einsum("mgk,gnk->mgn", x8.double(), w_int8.double()).float()  # exact sums
     y = acc * sx.view(-1, g, 1) * w_scale
     return y.to(out_dtype).reshape(*lead, g, w_int8.shape[1])
+
+
+def _vector_kernels() -> native.Kernels | None:
+    kern = native.kernels()
+    return kern if kern is not None and kern.isa in native.VECTOR_ISAS else None
+
+
+def int_mm_sums(x8: Tensor, w_int8: Tensor) -> Tensor:
+    """Exact INT32 sums [G, M, N] of x8 int8 [M, G, K] with w_int8 int8 [G, N, K] (K < INT32_EXACT_K): one
+    `torch._int_mm` per group."""
+    acc = torch.empty(w_int8.shape[0], x8.shape[0], w_int8.shape[1], dtype=torch.int32, device=x8.device)
+    for i in range(w_int8.shape[0]):
+        torch._int_mm(x8[:, i], w_int8[i].t(), out=acc[i])
+    return acc
 
 
 @dataclasses.dataclass

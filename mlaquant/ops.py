@@ -17,15 +17,16 @@ Backends (`Backend`): "torch" is the FP32 reference in this file; "triton" is
 TRITON_INTERPRET=1; "cpu" is the fast CPU path `mlaquant.cpu_decode.mla_decode_cpu` (integer scores, blocked
 P·V, its error bound in its docstring); "auto" picks triton for CUDA tensors when the kernel imports and
 reads the codec (fp16/int8/int4 parts, power-of-two groups ≥ 32 channels), cpu for CPU tensors where the
-fast path measured faster (`auto_takes_fast`: a codec it is faster on, `cpu_decode.prefers`, and a call
-reading enough tokens), else torch: below that the fast path's per-sequence GEMMs and blocks cost more than
-the reference's one batched pass (`mlaquant bench decode --batch 1,4,16 --contexts 512,1024,2048,4096,8192
---codecs fp16,int8-row,int4-row,int8`).
+fast path is faster on this machine (`auto_takes_fast`, by the rule `cpu_routing` states: what the CPU and torch
+run, then a call reading enough tokens), else torch: below that the fast path's per-sequence blocks cost more
+than the reference's one batched pass (`mlaquant bench decode --batch 1,4,16 --contexts 512,1024,2048,4096,8192
+--codecs fp16,int8-row,int4-row,int8`, under each CPU capability).
 Every backend checks its arguments against the one input contract, `mlaquant.decode_inputs.DecodeInputs`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import importlib
 import math
@@ -34,15 +35,21 @@ import os
 import torch
 from torch import Tensor
 
-from mlaquant import cpu_decode
+from mlaquant import cpu_decode, native
 from mlaquant.codecs import LayerCodec
 from mlaquant.decode_inputs import DecodeInputs, gather_pages
 from mlaquant.errors import BackendError
 
-# where "auto" on CPU takes the fast path (`auto_takes_fast`, measured by the bench in the module docstring)
-CPU_FAST_MIN_TOKENS = 8192  # cached tokens per call (all sequences together): a float or row-wise integer c_kv
-CPU_FAST_ROW_MEAN = 2048  # a row-wise integer c_kv: or this many tokens per sequence on average
-CPU_FAST_GROUPED_TOKENS = 16384  # a grouped integer c_kv: this many in all ...
+# where "auto" on CPU takes the fast path (`auto_takes_fast`, by the rule of `cpu_routing`; thresholds measured by
+# the bench in the module docstring on an AVX-512 VNNI CPU and under ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2)
+CPU_FAST_MIN_TOKENS = 8192  # cached tokens per call (all sequences together): a float c_kv (FP32 GEMMs)
+# a codec with an integer part read by the C kernels: this many tokens per non-empty sequence on average, by ISA
+# variant (fast / reference at batch 1 and 4: 0.37-0.59 from 1024 on avx512vnni; avx2 grouped int8 1.08 at 4 x 1024,
+# 0.68-0.71 at 2048; avxvnni not measured, so the avx2 figure); batches of shorter sequences measured ~1.0
+CPU_NATIVE_MIN_MEAN = {"avx512vnni": 1024, "avxvnni": 2048, "avx2": 2048}
+# an integer c_kv through torch._int_mm (no C kernels; only where torch's int8 GEMM has VNNI):
+CPU_FAST_ROW_MEAN = 2048  # a row-wise one: CPU_FAST_MIN_TOKENS in all, or this many per sequence on average
+CPU_FAST_GROUPED_TOKENS = 16384  # a grouped one: this many in all ...
 CPU_FAST_MIN_MEAN = 1024  # ... and this many per sequence on average
 
 # op -> (module, function) of its Triton implementation
@@ -139,8 +146,13 @@ def mla_decode(
     (cache-sized blocks) need none.
     """
     resolved = resolve_backend(backend, q.device)
-    if resolved == Backend.CPU.value and (Backend(backend) is Backend.CPU or auto_takes_fast(codec, seq_lens)):
-        return cpu_decode.mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale)
+    if resolved == Backend.CPU.value:
+        if Backend(backend) is Backend.CPU:  # explicit: whatever is built, a forced scalar variant included
+            return cpu_decode.mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale)
+        routing = cpu_routing()
+        if auto_takes_fast(codec, seq_lens, routing):
+            return cpu_decode.mla_decode_cpu(q, pool, block_table, seq_lens, codec, d_c, scale,
+                                             c_kernels=routing.integer == "native")
     if resolved == Backend.TRITON.value and (
         Backend(backend) is not Backend.AUTO or _kernel_reads(codec, q.device)
     ):
@@ -149,26 +161,74 @@ def mla_decode(
 
 
 def describe_backend(backend: str | Backend, device: torch.device | str) -> str:
-    """What `mla_decode(..., backend=backend)` runs on `device`, in words (for reports)."""
+    """What `mla_decode(..., backend=backend)` runs on `device`, in words (for reports): on CPU under "auto",
+    the routing rule of this machine (`cpu_routing`)."""
     resolved = resolve_backend(backend, device)
     if resolved == Backend.CPU.value and Backend(backend) is Backend.AUTO:
-        return "auto (cpu fast path where it measured faster: ops.auto_takes_fast, else torch)"
+        return f"auto (cpu fast path where faster here, else torch: {cpu_routing().describe()})"
     return resolved
 
 
-def auto_takes_fast(codec: LayerCodec, seq_lens: Tensor) -> bool:
-    """Whether "auto" on CPU takes the fast path for a call over seq_lens int [B]: a codec it is faster on
-    (`cpu_decode.prefers`), and enough tokens for its c_kv kind: a float c_kv `CPU_FAST_MIN_TOKENS` in all;
-    a row-wise integer one as many, or `CPU_FAST_ROW_MEAN` per non-empty sequence on average; a grouped
-    integer one `CPU_FAST_GROUPED_TOKENS` in all and `CPU_FAST_MIN_MEAN` per sequence. Measured on 2 cores
-    (fast / reference, two runs of the module docstring's bench): fp16 0.67-0.72 at 16 x 512 and 4 x 2048,
-    1.02-1.10 below 8192 tokens; int8-row 0.73 at 1 x 2048, 0.74-0.97 at 16 x 512, 1.52 at 4 x 1024;
-    int8-g64 1.03-1.20 at 1 x 8192, 1.48 at 4 x 2048, 0.56-0.61 at 16 x 1024."""
-    if not cpu_decode.prefers(codec):
+@dataclasses.dataclass(frozen=True)
+class CpuRouting:
+    """Which rule "auto" follows on this CPU (`cpu_routing`): torch's CPU capability, the C kernels' ISA variant
+    (None: not built), and whether torch's int8 GEMM (`torch._int_mm`, oneDNN) has VNNI here."""
+
+    capability: str
+    native_isa: str | None
+    torch_vnni: bool
+
+    @property
+    def integer(self) -> str:
+        """How integer caches go: "native" (C kernels, a vector ISA), "int_mm" (torch ops, VNNI) or "reference"."""
+        if self.native_isa in native.VECTOR_ISAS:
+            return "native"
+        return "int_mm" if self.torch_vnni else "reference"
+
+    def describe(self) -> str:
+        integer = {
+            "native": f"integer caches by the {self.native_isa} C kernels from "
+                      f"{CPU_NATIVE_MIN_MEAN.get(self.native_isa, 2048)} tokens per sequence",
+            "int_mm": "integer caches by torch._int_mm (VNNI) from the measured thresholds",
+            "reference": "integer caches on the reference (no C kernels, and torch's int8 GEMM has no VNNI here)",
+        }[self.integer]
+        return (f"CPU capability {self.capability}, native {self.native_isa or 'none'}; {integer}; float caches by "
+                f"FP32 GEMMs from {CPU_FAST_MIN_TOKENS} tokens per call")
+
+
+def torch_int8_vnni() -> bool:
+    """Whether torch's int8 GEMM runs on VNNI here: an AVX-512 capability (an AVX2 one caps oneDNN below it) on a
+    CPU with AVX-512 VNNI. AVX-VNNI-only CPUs count as without: oneDNN's use of it was not measured."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return False
+    probe = getattr(torch.cpu, "_is_vnni_supported", None)
+    return bool(probe()) if probe is not None else "avx512vnni" in native.cpu_features()
+
+
+def cpu_routing() -> CpuRouting:
+    """The routing rule "auto" follows on this CPU (cheap: every input is cached per process)."""
+    return CpuRouting(torch.backends.cpu.get_cpu_capability(), native.chosen_isa(), torch_int8_vnni())
+
+
+def auto_takes_fast(codec: LayerCodec, seq_lens: Tensor, routing: CpuRouting | None = None) -> bool:
+    """Whether "auto" on CPU takes the fast path for a call over seq_lens int [B], by the rule of this machine
+    (`cpu_routing`, or `routing`): a codec with an integer part only where the C kernels run (a vector ISA) — from
+    `CPU_NATIVE_MIN_MEAN[isa]` tokens per non-empty sequence on average — or where torch's int8
+    GEMM has VNNI (`cpu_decode.prefers` and the `CPU_FAST_*` thresholds of `torch._int_mm`), never otherwise
+    (measured 11-14x slower than the reference on an AVX2-only CPU, issue 29); a float codec from
+    `CPU_FAST_MIN_TOKENS` in all. Measured (fast / reference, the module docstring's bench): fp16 0.67-0.72 at
+    16 x 512 and 4 x 2048, 1.02-1.10 below 8192 tokens; torch._int_mm: int8-row 0.73 at 1 x 2048, 0.74-0.97 at
+    16 x 512, 1.52 at 4 x 1024; int8-g64 1.03-1.20 at 1 x 8192, 1.48 at 4 x 2048, 0.56-0.61 at 16 x 1024."""
+    routing = cpu_routing() if routing is None else routing
     live = seq_lens[seq_lens > 0]
     total = int(live.sum())
     mean = total / max(1, live.numel())
+    if not any(rc.spec.kind in ("int8", "int4") for rc in (codec.ckv, codec.kpe)):
+        return total >= CPU_FAST_MIN_TOKENS
+    if routing.integer == "native":
+        return mean >= CPU_NATIVE_MIN_MEAN.get(routing.native_isa, 2048)
+    if routing.integer == "reference" or not cpu_decode.prefers(codec, c_kernels=False):
+        return False
     ckv = codec.ckv
     if ckv.spec.kind not in ("int8", "int4"):
         return total >= CPU_FAST_MIN_TOKENS

@@ -32,12 +32,15 @@ def test_table_has_one_cell_per_column(results):
 
 
 def test_attention_bench_batch_axis_rows_per_codec_and_path(capsys):
-    from mlaquant import bench_attention
+    from mlaquant import bench_attention, native
 
     rows = bench_attention.bench_attention([1, 2], [64], ["fp16", "int8"], steps=1)
+    paths = {"fp16": ("reference", "fast", "auto"),
+             "int8": ("reference", "fast", "auto", *(("fast torch-ops",) if native.kernels() else ()))}
     assert [(r["batch"], r["codec"], r["path"]) for r in rows] == [
-        (b, c, p) for b in (1, 2) for c in ("fp16", "int8") for p in ("reference", "fast")
+        (b, c, p) for b in (1, 2) for c in ("fp16", "int8") for p in paths[c]
     ]
+    assert capsys.readouterr().out.startswith("-- cpu: torch capability ")
     for r in rows:
         assert r["s"] > 0 and r["bound_s"] > 0 and r["vs_bound"] == pytest.approx(r["s"] / r["bound_s"])
         assert 0 < r["min_s"] <= r["s"]
@@ -51,27 +54,30 @@ def test_attention_bench_fast_block_rows_and_bad_option_exits_nonzero(capsys):
     from mlaquant.cli import main
 
     rows = bench_attention.bench_attention([2], [128], ["int8-row"], steps=1, fast_blocks=[(64, 1), (128, 2)])
-    assert [r["path"] for r in rows] == ["reference", "fast", "fast 64x1", "fast 128x2"]
+    assert [r["path"] for r in rows][:5] == ["reference", "fast", "auto", "fast 64x1", "fast 128x2"]
     assert all(r["s"] > 0 for r in rows)
     assert main(["bench", "decode", "--batch", "1", "--contexts", "64", "--fast-blocks", "1024"]) != 0
     assert "--fast-blocks: '1024' is not BLOCKxGROUP" in capsys.readouterr().err
 
 
-def test_attention_bench_times_int4_codecs_with_and_without_the_c_unpack():
+def test_attention_bench_times_integer_codecs_with_and_without_the_c_kernels():
     from mlaquant import bench_attention, native
 
     rows = bench_attention.bench_attention([1], [64], ["fp16", "int4-row"], steps=1)
     paths = [(r["codec"], r["path"]) for r in rows]
-    torch_rows = [("int4-row", "fast torch-unpack")] if native.unpack_int4() else []
-    assert paths == [("fp16", "reference"), ("fp16", "fast"), ("int4-row", "reference"), ("int4-row", "fast"),
-                     *torch_rows]
+    torch_rows = [("int4-row", "fast torch-ops")] if native.kernels() else []
+    assert paths == [("fp16", "reference"), ("fp16", "fast"), ("fp16", "auto"), ("int4-row", "reference"),
+                     ("int4-row", "fast"), ("int4-row", "auto"), *torch_rows]
 
 
-def test_attention_bench_header_names_the_int4_unpack(capsys, fresh_native_build):
-    """The header says which int4 unpack the fast rows ran with: the C helper, or torch ops when it is off."""
+def test_attention_bench_header_names_the_capability_isa_and_routing(capsys, fresh_native_build):
+    """The header says which int4 unpack and C kernels the fast rows ran with, and the rule auto followed."""
     from mlaquant.cli import main
 
     fresh_native_build.setenv("MLAQUANT_NATIVE", "0")
     args = ["bench", "decode", "--batch", "1", "--contexts", "64", "--codecs", "int4-row", "--steps", "1"]
     assert main(args) == 0
-    assert "int4 unpack: torch ops (MLAQUANT_NATIVE=0 or no cc)" in capsys.readouterr().out.splitlines()[0]
+    lines = capsys.readouterr().out.splitlines()
+    assert "int4 unpack: torch ops (MLAQUANT_NATIVE=0 or no cc)" in lines[0]
+    cpu = next(line for line in lines if line.startswith("-- cpu:"))
+    assert "C kernels none (MLAQUANT_NATIVE=0): torch ops" in cpu and "auto: CPU capability" in cpu

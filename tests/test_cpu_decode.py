@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaquant import DecodeSession, ops
+from mlaquant import DecodeSession, native, ops
 from mlaquant.codecs import LayerCodec
-from mlaquant.cpu_decode import error_bound, mla_decode_cpu
+from mlaquant.cpu_decode import error_bound, mla_decode_cpu, pv_kind
 from mlaquant.errors import BackendError
 from mlaquant.int8_proj import grouped_int8_matmul, quantize_grouped
 from mlaquant.ops import mla_decode, mla_decode_reference, resolve_backend
@@ -49,34 +49,40 @@ def _cache(codec: LayerCodec, lens: list[int], seed: int = 0):
     for b, r in enumerate(rows):
         mine, ids = ids[: need[b]], ids[need[b] :]
         flat = pool[mine].view(-1, codec.row_bytes)
-        flat[: len(r)] = codec.encode(r)
+        if len(r):  # (codecs.py cannot encode zero rows)
+            flat[: len(r)] = codec.encode(r)
         pool[mine] = flat.view(-1, PAGE, codec.row_bytes)
         table[b, : need[b]] = torch.tensor(mine, dtype=torch.int32)
         if b % 2:
             table[b, need[b] :] = -1
     q = torch.randn(len(lens), H, D_C + D_R, generator=g)
-    decoded = [codec.decode(codec.encode(r)) for r in rows]
+    decoded = [codec.decode(codec.encode(r)) if len(r) else r for r in rows]
     return q, pool, table, torch.tensor(lens, dtype=torch.int32), decoded, [_row_scales(codec, r) for r in rows]
 
 
 def _row_scales(codec: LayerCodec, rows: torch.Tensor) -> torch.Tensor | None:
-    """The stored FP16 scale of each row's c_kv part, fp32 [T] (None unless the part is integer row-wise)."""
+    """The stored FP16 scales of each row's c_kv part, fp32 [T, n_groups] (None unless the part is integer)."""
     lay = codec.ckv.layout
-    if codec.ckv.spec.kind not in ("int8", "int4") or lay.n_groups != 1:
+    if codec.ckv.spec.kind not in ("int8", "int4"):
         return None
-    return codec.ckv.encode(rows[:, :D_C])[:, lay.scale_offset : lay.scale_offset + 2].contiguous().view(
-        torch.float16).float().flatten()
+    if not len(rows):
+        return torch.zeros(0, lay.n_groups)
+    return codec.ckv.encode(rows[:, :D_C])[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups].contiguous(
+        ).view(torch.float16).float()
 
 
 @pytest.mark.parametrize("names", CODECS, ids=lambda n: "/".join(n))
 @pytest.mark.parametrize("block_tokens, group", [(16, 1), (16, 8), (1024, 2)])
-def test_fast_path_within_stated_bound_of_reference(names, block_tokens, group):
-    """Groups of one sequence, of all five (ragged: padded pages, zeroed and masked rows), of two."""
+@pytest.mark.parametrize("c_kernels", [True, False], ids=["c-kernels", "torch-ops"])
+def test_fast_path_within_stated_bound_of_reference(names, block_tokens, group, c_kernels):
+    """Groups of one sequence, of all five (ragged: padded pages, zeroed and masked rows), of two; integer parts
+    by the C kernels (every part integer: rows read in place from the permuted pages) and by torch ops."""
     codec = LayerCodec.from_names(*names, D_C, D_R)
     q, pool, table, lens, decoded, scales = _cache(codec, LENS)
-    out, lse = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=block_tokens, group=group)
+    out, lse = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=block_tokens, group=group,
+                              c_kernels=c_kernels)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
-    d_lse, d_out = error_bound(q, decoded, codec, D_C, SCALE, scales)
+    d_lse, d_out = error_bound(q, decoded, codec, D_C, SCALE, scales, c_kernels=c_kernels)
     assert torch.isfinite(out).all()
     empty = lens == 0
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
@@ -90,10 +96,16 @@ def test_fast_path_within_stated_bound_of_reference(names, block_tokens, group):
     q_eff = effective_query(q, codec, fp16_query=False)
     ref_out, ref_lse = mla_decode_reference(q_eff, pool, table, lens, codec, D_C, SCALE)
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
-    _, d_exact = error_bound(q_eff, decoded, codec, D_C, SCALE, scales, quantized_query=False)
+    _, d_exact = error_bound(q_eff, decoded, codec, D_C, SCALE, scales, quantized_query=False, c_kernels=c_kernels)
     assert ((out - ref_out).abs() <= d_exact + 2e-5).all()
-    if scales[0] is not None:  # the digit term is not vacuous: a single int8 digit would break it
+    if pv_kind(codec, c_kernels) != "fp32":  # the P·V term is not vacuous: a coarser P would break it
         assert (out - ref_out).abs().max() > 1e-6
+
+
+NATIVE = ops.CpuRouting("AVX2", "avx2", torch_vnni=False)  # the C kernels built: avx2 ...
+NATIVE_VNNI = ops.CpuRouting("AVX512", "avx512vnni", torch_vnni=True)  # ... or avx512vnni
+INT_MM = ops.CpuRouting("AVX512", None, torch_vnni=True)  # no C kernels; torch._int_mm on VNNI
+NEITHER = ops.CpuRouting("AVX2", None, torch_vnni=False)  # no C kernels, no VNNI (issue 29's machine)
 
 
 def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_reference(monkeypatch):
@@ -106,29 +118,65 @@ def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_referen
     fast = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE)
     ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
     assert not torch.equal(fast[0], ref[0])
-    for backend, want in (("cpu", fast), ("torch", ref), ("auto", ref)):  # 53 tokens < CPU_FAST_MIN_TOKENS
+    for backend, want in (("cpu", fast), ("torch", ref), ("auto", ref)):  # 53 tokens < any threshold
         for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend=backend), want):
             assert torch.equal(a, b), backend
-    monkeypatch.setattr(ops, "CPU_FAST_MIN_TOKENS", 53)  # row-wise int8 at this width: 53 tokens, auto goes fast
-    for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
-        assert torch.equal(a, b)
+    if native.chosen_isa() in native.VECTOR_ISAS:
+        monkeypatch.setitem(ops.CPU_NATIVE_MIN_MEAN, native.chosen_isa(), 26)  # 26.5 per sequence: auto goes fast
+        for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
+            assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("names, lens, fast", [
-    (("fp16", "fp16"), [512] * 16, True),  # a float c_kv: 8192 tokens in all
-    (("fp16", "fp16"), [4096], False),
-    (("int8-row", "int8-row"), [512] * 16, True),  # row-wise integer: 8192 in all ...
-    (("int8-row", "int8-row"), [1024] * 4, False),
-    (("int8-row", "int8-row"), [2048, 0], True),  # ... or 2048 per live sequence
-    (("int4-row", "int4-row"), [1024, 1024], False),
-    (("int8-g64", "fp16"), [8192], False),  # grouped: 16384 in all and 1024 per sequence
-    (("int8-g64", "fp16"), [1024] * 16, True),
-    (("int8-g64", "fp16"), [512] * 32, False),
-    (("int4-g32", "int4-row"), [8192] * 4, False),  # 16 groups: never (`cpu_decode.prefers`)
+@pytest.mark.parametrize("routing, names, lens, fast", [
+    (NATIVE, ("int8-row", "int8-row"), [2048], True),  # the avx2 C kernels: 2048 per live sequence ...
+    (NATIVE, ("int4-g32", "int4-g32"), [512] * 64, False),  # (however many sequences)
+    (NATIVE, ("int4-g32", "int4-g32"), [2048, 0, 2048, 0], True),
+    (NATIVE, ("int8-g64", "int8-g64"), [1024] * 4, False),
+    (NATIVE_VNNI, ("int8-g64", "int8-g64"), [1024] * 4, True),  # ... the avx512vnni ones 1024
+    (NATIVE_VNNI, ("int4-row", "int4-row"), [1000, 20], False),
+    (NATIVE, ("fp16", "fp16"), [4096], False),  # a float codec: FP32 GEMMs, 8192 tokens in all
+    (NATIVE, ("fp16", "fp16"), [512] * 16, True),
+    (INT_MM, ("int8-row", "int8-row"), [512] * 16, True),  # torch._int_mm: row-wise 8192 in all ...
+    (INT_MM, ("int8-row", "int8-row"), [1024] * 4, False),
+    (INT_MM, ("int8-row", "int8-row"), [2048, 0], True),  # ... or 2048 per live sequence
+    (INT_MM, ("int8-g64", "fp16"), [8192], False),  # grouped: 16384 in all and 1024 per sequence
+    (INT_MM, ("int8-g64", "fp16"), [1024] * 16, True),
+    (INT_MM, ("int8-g64", "fp16"), [512] * 32, False),
+    (INT_MM, ("int4-g32", "int4-row"), [8192] * 4, False),  # 16 groups: never (`cpu_decode.prefers`)
+    (NEITHER, ("int8-row", "int8-row"), [16384] * 16, False),  # integer parts: never
+    (NEITHER, ("fp16", "int4-row"), [16384] * 16, False),
+    (NEITHER, ("fp16", "fp16"), [512] * 16, True),  # float ones: FP32 GEMMs as anywhere
 ])
-def test_auto_takes_fast_where_the_crossover_bench_measured_it_faster(names, lens, fast):
+def test_auto_takes_fast_by_the_rule_of_the_machine(routing, names, lens, fast):
     codec = LayerCodec.from_names(*names, 512, 64)
-    assert ops.auto_takes_fast(codec, torch.tensor(lens, dtype=torch.int32)) is fast
+    assert ops.auto_takes_fast(codec, torch.tensor(lens, dtype=torch.int32), routing) is fast
+
+
+def test_routing_follows_the_capability(monkeypatch, fresh_native_build):
+    """The rule is read from this machine: torch's capability and VNNI, whether the C kernels build."""
+    monkeypatch.setattr(ops, "torch_int8_vnni", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    routing = ops.cpu_routing()
+    assert routing.capability == "AVX2"
+    assert routing.integer == ("native" if native.runnable("avx2") else "reference")
+    assert routing.native_isa in (None, "scalar", "avx2", "avxvnni")  # never AVX-512 under an AVX2 capability
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert ops.cpu_routing().native_isa in (None, "scalar") and ops.cpu_routing().integer == "reference"
+    assert "integer caches on the reference" in ops.describe_backend("auto", "cpu")
+
+
+def test_without_c_kernels_or_vnni_auto_keeps_integer_codecs_on_the_reference(monkeypatch, fresh_native_build):
+    """Issue 29's machine: no compiler and torch's int8 GEMM without VNNI; even a long batch stays on torch."""
+    fresh_native_build.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(ops, "torch_int8_vnni", lambda: False)
+    with pytest.warns(UserWarning, match="no C compiler"):
+        assert ops.cpu_routing().integer == "reference"
+    codec = LayerCodec.from_names("int8-row", "int4-row", D_C, D_R)
+    q, pool, table, lens, _, _ = _cache(codec, [9000, 8000])
+    assert ops.auto_takes_fast(codec, lens) is False
+    ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), ref):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("shape", [(1, 16, 128, 512), (5, 1, 2048, 64), (3, 4, 7, 3)])
@@ -157,19 +205,25 @@ def test_session_on_fast_path_close_to_reference_and_greedy_equal(tiny_model, pl
     assert greedy == generate(tiny_model, prompt, 6, plan=plan, backend="torch")[0]
 
 
-def test_auto_keeps_many_group_codecs_on_the_reference(monkeypatch):
+def test_auto_keeps_many_group_codecs_on_the_reference_without_c_kernels(monkeypatch):
     from mlaquant.cpu_decode import prefers
 
-    assert prefers(LayerCodec.from_names("int4-row", "int8-row", 512, 64))
-    assert prefers(LayerCodec.from_names("int8-g64", "fp16", 512, 64))  # 8 groups
-    assert not prefers(LayerCodec.from_names("int4-g32", "int4-row", 512, 64))  # 16 groups: one GEMM each
+    assert prefers(LayerCodec.from_names("int4-g32", "int4-row", 512, 64), c_kernels=True)  # C: any grouping
+    assert prefers(LayerCodec.from_names("int4-row", "int8-row", 512, 64), c_kernels=False)
+    assert prefers(LayerCodec.from_names("int8-g64", "fp16", 512, 64), c_kernels=False)  # 8 groups
+    assert not prefers(LayerCodec.from_names("int4-g32", "int4-row", 512, 64), c_kernels=False)  # 16: a GEMM each
     codec = LayerCodec.from_names("int4-g16", "fp16", D_C, D_R)  # 4 groups at this width
+    monkeypatch.setattr(ops, "cpu_routing", lambda: INT_MM)
     monkeypatch.setattr("mlaquant.cpu_decode.FAST_MAX_GROUPS", 2)
     monkeypatch.setattr(ops, "CPU_FAST_GROUPED_TOKENS", 1)
     monkeypatch.setattr(ops, "CPU_FAST_MIN_MEAN", 1)
     q, pool, table, lens, _, _ = _cache(codec, [20, 33])
     ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), ref):
+        assert torch.equal(a, b)
+    monkeypatch.setattr("mlaquant.cpu_decode.FAST_MAX_GROUPS", 8)  # now auto takes the torch ops (no C kernels)
+    want = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, c_kernels=False)
+    for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), want):
         assert torch.equal(a, b)
 
 

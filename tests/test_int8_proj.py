@@ -105,3 +105,29 @@ def test_plan_round_trip_and_evaluator_sees_int8(tiny_model, tmp_path):
 def test_unknown_plan_suffix_is_an_error(tiny_model):
     with pytest.raises(Exception, match=r"unknown plan suffix '\+i4mm'"):
         DecodeSession(tiny_model, plan="int4+i4mm")
+
+
+@pytest.mark.parametrize("route", ["c-kernels", "int_mm", "fp64"])
+@pytest.mark.parametrize("shape", [(1, 16, 128, 512), (16, 1, 2048, 2048), (3, 4, 48, 12), (5, 2, 160, 7)])
+def test_cpu_int8_matmul_every_route_bit_identical_to_fp64_sums(route, shape, monkeypatch):
+    """backend "cpu" takes the C kernels where a vector ISA builds, torch._int_mm only where it has VNNI, the FP64
+    sums otherwise (issue 29: _int_mm ~10x slower than FP32 on AVX2-only CPUs): every route gives the same bits."""
+    from mlaquant import int8_proj, native, ops
+
+    m, g, k, n = shape
+    gen = torch.Generator().manual_seed(k + n)
+    x = torch.randn(m, g, k, generator=gen) * torch.logspace(-2, 1, k)
+    w8, ws = quantize_grouped(torch.randn(g, n, k, generator=gen))
+    want = grouped_int8_matmul(x, w8, ws, backend="torch")
+    calls = []
+    if route == "c-kernels":
+        if native.chosen_isa() not in native.VECTOR_ISAS:
+            pytest.skip("no vector ISA variant of the C kernels builds here")
+        monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append("int_mm"))
+    else:
+        monkeypatch.setattr(int8_proj, "_vector_kernels", lambda: None)
+        monkeypatch.setattr(ops, "torch_int8_vnni", lambda: route == "int_mm")
+    if route == "fp64":
+        monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append("int_mm"))
+    assert torch.equal(grouped_int8_matmul(x, w8, ws, backend="cpu"), want)
+    assert not calls  # the route asked for ran, not torch._int_mm

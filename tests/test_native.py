@@ -1,5 +1,7 @@
-"""The C int4 unpack (`mlaquant.native`) against the torch ops it replaces, the fast path bit-identical with
-and without it, and its fallbacks (disabled, no compiler, a failing build)."""
+"""The C helper (`mlaquant.native`): the int4 unpack against the torch ops it replaces, the fast path bit-identical
+with and without it; the choice of ISA variant (CPU features capped by torch's capability, MLAQUANT_NATIVE_ISA,
+a clear error for a variant the CPU cannot run); the fast path bit-identical under every variant the CPU runs;
+the fallbacks (disabled, no compiler, a failing build). tests/test_native_kernels.py checks each kernel."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from mlaquant import native
 from mlaquant.codecs import LayerCodec
 from mlaquant.cpu_decode import mla_decode_cpu, unpack_nibbles
+from mlaquant.errors import BackendError
 from tests.test_cpu_decode import D_C, D_R, LENS, SCALE, _cache
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch ops run instead")
@@ -48,24 +51,108 @@ def test_native_unpack_rejects_bad_buffers():
 @pytest.mark.parametrize("names", [("int4-row", "int4-row"), ("int4-g16-asym", "int4-row-asym"),
                                    ("int4-g32", "int8-row"), ("int8-row-asym", "int4-g16")], ids="/".join)
 def test_fast_path_bit_identical_with_and_without_native_unpack(names, monkeypatch):
-    """Signed codes (no bias term) and unsigned codes less the bias give the same INT32 sums, so the same
-    outputs bit for bit; c_unpack=False and an unbuilt helper both run the torch ops."""
+    """The torch-ops path (c_kernels=False): signed codes (no bias term) and unsigned codes less the bias give the
+    same INT32 sums, so the same outputs bit for bit; c_unpack=False and an unbuilt helper both run torch ops."""
     codec = LayerCodec.from_names(*names, D_C, D_R)
     q, pool, table, lens, _, _ = _cache(codec, LENS)
     assert native.unpack_int4() is not None
     args = (q, pool, table, lens, codec, D_C, SCALE)
-    out, lse = mla_decode_cpu(*args, block_tokens=16, group=2)
-    ref_out, ref_lse = mla_decode_cpu(*args, block_tokens=16, group=2, c_unpack=False)
+    out, lse = mla_decode_cpu(*args, block_tokens=16, group=2, c_kernels=False)
+    ref_out, ref_lse = mla_decode_cpu(*args, block_tokens=16, group=2, c_unpack=False, c_kernels=False)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
     monkeypatch.setattr(native, "unpack_int4", lambda: None)
-    unbuilt_out, unbuilt_lse = mla_decode_cpu(*args, block_tokens=16, group=2)
+    unbuilt_out, unbuilt_lse = mla_decode_cpu(*args, block_tokens=16, group=2, c_kernels=False)
     assert torch.equal(unbuilt_out, ref_out) and torch.equal(unbuilt_lse, ref_lse)
 
 
 def test_native_off_by_environment_without_warning(fresh_native_build, recwarn):
     fresh_native_build.setenv("MLAQUANT_NATIVE", "0")
-    assert native.unpack_int4() is None
+    assert native.unpack_int4() is None and native.kernels() is None
+    assert native.describe() == "none (MLAQUANT_NATIVE=0): torch ops"
     assert not recwarn.list
+
+
+AVX512_CPU = frozenset(native.FEATURES) - {"avxvnni"}  # e.g. AMD Zen 4
+AVX2_CPU = frozenset({"avx2", "fma", "f16c"})  # e.g. AMD Zen 2/3
+
+
+@pytest.mark.parametrize("features, capability, want", [
+    (AVX512_CPU, "AVX512", "avx512vnni"),
+    (AVX512_CPU, "AVX2", "avx2"),  # ATEN_CPU_CAPABILITY=avx2: behaves as an AVX2-only CPU
+    (AVX512_CPU, "DEFAULT", "scalar"),
+    (AVX2_CPU, "AVX2", "avx2"),
+    (AVX2_CPU | {"avxvnni"}, "AVX2", "avxvnni"),  # Alder Lake and later
+    (AVX2_CPU, "AVX512", "avx2"),  # a capability never adds what the CPU lacks
+    (frozenset(), "DEFAULT", "scalar"),  # not x86
+    (frozenset({"avx2", "f16c"}), "AVX2", "scalar"),  # no FMA: the avx2 variant's flags cannot run
+])
+def test_auto_isa_is_the_cpu_capped_by_torch_capability(features, capability, want):
+    assert native.auto_isa(features, capability) == want
+
+
+@needs_compiler
+def test_forced_isa_runs_that_variant_and_says_so(fresh_native_build):
+    fresh_native_build.setenv("MLAQUANT_NATIVE_ISA", "scalar")
+    assert native.kernels().isa == "scalar" and native.kernels().lib.mlaq_isa() == 0
+    assert native.describe() == "scalar (forced by MLAQUANT_NATIVE_ISA)"
+    fresh_native_build.setenv("MLAQUANT_NATIVE_ISA", "auto")
+    assert native.chosen_isa() == native.auto_isa()
+
+
+@needs_compiler
+def test_forced_isa_the_cpu_cannot_run_is_one_clear_error(fresh_native_build):
+    fresh_native_build.setattr(native, "cpu_features", lambda: AVX2_CPU)
+    fresh_native_build.setenv("MLAQUANT_NATIVE_ISA", "avx512vnni")
+    with pytest.raises(BackendError, match=r"native ISA 'avx512vnni' cannot run on this CPU \(it lacks avx512f, "
+                                           r"avx512bw, avx512vl, avx512vnni\); MLAQUANT_NATIVE_ISA=auto picks"):
+        native.kernels()
+    fresh_native_build.setenv("MLAQUANT_NATIVE_ISA", "sse9")
+    with pytest.raises(BackendError, match="MLAQUANT_NATIVE_ISA='sse9': choose auto or one of scalar, avx2"):
+        native.kernels()
+
+
+@needs_compiler
+@pytest.mark.parametrize("names", [("int8-row", "int8-row"), ("int4-g16-asym", "int4-row-asym"),
+                                   ("int4-g32", "int8-row"), ("int8-g16-asym", "fp16")], ids="/".join)
+def test_fast_path_bit_identical_under_every_isa_variant(names, fresh_native_build):
+    """The whole call, each variant this CPU runs forced in turn: the same bits (same integer sums, same FP32
+    operations in the same order); and not the torch-ops path's (int16 P instead of two int8 digits)."""
+    codec = LayerCodec.from_names(*names, D_C, D_R)
+    q, pool, table, lens, _, _ = _cache(codec, LENS)
+    results = {}
+    for isa in native.ISAS:
+        if native.runnable(isa):
+            fresh_native_build.setenv("MLAQUANT_NATIVE_ISA", isa)
+            results[isa] = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=32, group=2)
+    assert "scalar" in results and len(results) >= 2
+    first = results["scalar"]
+    for isa, (out, lse) in results.items():
+        assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), isa
+    torch_ops = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=32, group=2, c_kernels=False)
+    assert not torch.equal(torch_ops[0], first[0])
+
+
+@needs_compiler
+@pytest.mark.parametrize("shape", [(1, 16, 128, 512), (16, 1, 2048, 96), (3, 4, 48, 12), (5, 2, 160, 7)])
+def test_w8a8_bit_identical_to_the_fp64_route_under_every_isa_variant(shape, fresh_native_build):
+    """`Kernels.w8a8` (activation codes, INT32 sums, epilogue in C) against grouped_int8_matmul's torch route, each
+    variant this CPU runs forced in turn, with rows that need a rounding tie and an all-zero row."""
+    from mlaquant.int8_proj import grouped_int8_matmul, quantize_grouped
+
+    m, g, k, n = shape
+    gen = torch.Generator().manual_seed(k * n)
+    x = torch.randn(m, g, k, generator=gen) * torch.logspace(-2, 1, k)
+    x[0, 0, :2] = torch.tensor([2.5, -127.0]) / 50.0 * x[0, 0].abs().max()  # codes at exact .5 steps and ±127
+    x[-1, -1] = 0.0
+    w8, ws = quantize_grouped(torch.randn(g, n, k, generator=gen))
+    want = grouped_int8_matmul(x, w8, ws, backend="torch")
+    ran = []
+    for isa in native.ISAS:
+        if native.runnable(isa):
+            fresh_native_build.setenv("MLAQUANT_NATIVE_ISA", isa)
+            assert torch.equal(native.kernels().w8a8(x, w8, ws), want), isa
+            ran.append(isa)
+    assert "scalar" in ran and len(ran) >= 2, ran
 
 
 def test_native_missing_compiler_warns_and_falls_back(fresh_native_build):
@@ -77,5 +164,6 @@ def test_native_missing_compiler_warns_and_falls_back(fresh_native_build):
 @pytest.mark.skipif(shutil.which("false") is None, reason="no `false` to stand in for a failing compiler")
 def test_native_failed_build_warns_and_falls_back(fresh_native_build):
     fresh_native_build.setenv("CC", "false")
-    with pytest.warns(UserWarning, match=r"building unpack_int4.c failed \(exit status 1\)"):
+    with pytest.warns(UserWarning, match=r"building unpack_int4.c \+ decode_kernels.c failed \(exit status 1\)"):
         assert native.unpack_int4() is None
+        assert native.kernels() is None

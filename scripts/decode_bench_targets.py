@@ -1,0 +1,85 @@
+"""Checks runs of `mlaquant bench decode --batch 1,16 --contexts 4096,16384 --codecs fp16,int8-row,int4-row,int8,int4
+--out RUN.json` against issue 29's targets, and prints one markdown table per target.
+
+Usage: python scripts/decode_bench_targets.py runs/cpu29/vnni-*.json
+
+Targets: (1) `auto` ≤ 1.0x the reference (medians) for every codec, batch and context; (2) batch 16 at 4k and 16k:
+the fast path's INT8-row ≤ 0.5x and INT4-row ≤ 0.4x fast FP16 on the fastest rounds, in ≥ 4 of the runs out of 5;
+(3) the W8A8 projections (`int8_matmul`) ≤ their FP32 GEMMs (medians), per projection and summed over a layer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+FAST_LIMITS = {"int8-row": 0.5, "int4-row": 0.4}
+
+
+def _load(paths: list[str]) -> list[dict]:
+    runs = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        if not isinstance(data, dict) or "attention" not in data:
+            raise SystemExit(f"{p}: not a `mlaquant bench decode --batch ... --out` file (no 'attention' key)")
+        runs.append(data)
+    return runs
+
+
+def auto_table(runs: list[dict]) -> str:
+    """Per (batch, context, codec): the worst auto / reference over the runs, and how many runs were ≤ 1.00."""
+    cells: dict[tuple, list[float]] = {}
+    for run in runs:
+        for r in run["attention"]:
+            if r["path"] == "auto":
+                cells.setdefault((r["batch"], r["context"], r["codec"]), []).append(r["vs_reference"])
+    lines = ["| batch | context | codec | auto / reference (each run) | runs ≤ 1.00 |", "|---|---|---|---|---|"]
+    for (b, c, codec), ratios in cells.items():
+        ok = sum(round(x, 2) <= 1.0 for x in ratios)
+        lines.append(f"| {b} | {c} | {codec} | {' '.join(f'{x:.2f}' for x in ratios)} | {ok} of {len(ratios)} |")
+    return "\n".join(lines)
+
+
+def fast_table(runs: list[dict]) -> str:
+    """Batch 16: the fast path's fastest-round ratio to fast FP16 per run, and how many runs meet FAST_LIMITS."""
+    lines = ["| context | codec | limit | fastest / fast FP16 (each run) | runs within |", "|---|---|---|---|---|"]
+    for context in sorted({r["context"] for run in runs for r in run["attention"]}):
+        for codec, limit in FAST_LIMITS.items():
+            ratios = [r["min_vs_base_fast"] for run in runs for r in run["attention"]
+                      if (r["batch"], r["context"], r["codec"], r["path"]) == (16, context, codec, "fast")]
+            if ratios:
+                ok = sum(round(x, 2) <= limit for x in ratios)
+                lines.append(f"| {context} | {codec} | {limit} | {' '.join(f'{x:.2f}' for x in ratios)} | "
+                             f"{ok} of {len(ratios)} |")
+    return "\n".join(lines)
+
+
+def projection_table(runs: list[dict]) -> str:
+    """Per (batch, projection): int8_matmul / FP32 GEMM (medians) per run."""
+    cells: dict[tuple, list[float]] = {}
+    for run in runs:
+        for r in run.get("projections", []):
+            cells.setdefault((r["batch"], r["projection"]), []).append(r["int8_s"] / r["fp32_s"])
+    lines = ["| batch | projection | int8_matmul / FP32 (each run) | runs ≤ 1.00 |", "|---|---|---|---|"]
+    for (b, name), ratios in cells.items():
+        ok = sum(round(x, 2) <= 1.0 for x in ratios)
+        lines.append(f"| {b} | {name} | {' '.join(f'{x:.2f}' for x in ratios)} | {ok} of {len(ratios)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__)
+        return 2
+    runs = _load(argv)
+    print(f"{len(runs)} runs: {', '.join(argv)}\n")
+    tables = (("auto vs reference", auto_table(runs)), ("batch 16, fast path vs fast FP16", fast_table(runs)),
+              ("W8A8 projections vs FP32 GEMMs", projection_table(runs)))
+    for title, table in tables:
+        print(f"### {title}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
