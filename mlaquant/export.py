@@ -59,23 +59,48 @@ class LayerExport:
     why: str
 
 
+def _beyond_the_cache(lp: LayerPlan) -> list[str]:
+    """What a layer's plan runs besides its cache codec that no engine has (`engine_layers`)."""
+    return [what for what, on in (("clipped ranges", lp.clip), ("W8A8 projections (int8_matmul)", lp.int8_matmul))
+            if on]
+
+
+def _layer_export(i: int, lp: LayerPlan, map_to_fp8: bool) -> LayerExport | None:
+    """Layer i's cache in the engine by the module docstring's rules, or None where it must be refused."""
+    rotated = lp.rotate or lp.rotate_rope
+    kinds = {n.split("-")[0] for n in (lp.ckv, lp.kpe)}
+    if kinds <= {"fp16", "bf16", "fp32"} and not rotated:
+        return LayerExport(i, lp.codec_name, "kept", False, "float cache in the plan")
+    if lp.codec_name == ENGINE_FP8 and not rotated:
+        return LayerExport(i, lp.codec_name, "fp8", False, "e4m3 at k_scale 1.0, as planned")
+    if lp.codec_name == "fp8/fp8" and not rotated:
+        return LayerExport(i, lp.codec_name, "fp8", True, "the calibrated k_scale cannot reach the engine")
+    if map_to_fp8:
+        why = "rotated latent" if rotated else f"{lp.codec_name} is not an engine cache"
+        return LayerExport(i, lp.codec_name, "fp8", True, f"{why}: mapped to fp8 (--map-to-fp8)")
+    return None
+
+
 def engine_layers(plan: Plan, engine: str, map_to_fp8: bool, force: bool) -> list[LayerExport]:
-    """Per layer, what `engine` will cache (module docstring); PlanError for what cannot be exported."""
-    out, refused = [], []
+    """Per layer, what `engine` will cache (module docstring); PlanError for what cannot be exported. A residual
+    FP16 window, clipped ranges and W8A8 projections are mlaquant's decoder only: refused by name, or with
+    `map_to_fp8` dropped (the layer counts as mapped and `why` names what was dropped; measured so)."""
+    if plan.window and not map_to_fp8:
+        raise PlanError(f"the plan keeps the last {plan.window} rows of every layer in FP16 (a residual window), which "
+                        f"{engine} does not have — pass --map-to-fp8 to export without it (loss measured)")
+    out, refused, beyond = [], [], []
     for i, lp in enumerate(plan.layers):
-        rotated = lp.rotate or lp.rotate_rope
-        kinds = {n.split("-")[0] for n in (lp.ckv, lp.kpe)}
-        if kinds <= {"fp16", "bf16", "fp32"} and not rotated:
-            out.append(LayerExport(i, lp.codec_name, "kept", False, "float cache in the plan"))
-        elif lp.codec_name == ENGINE_FP8 and not rotated:
-            out.append(LayerExport(i, lp.codec_name, "fp8", False, "e4m3 at k_scale 1.0, as planned"))
-        elif lp.codec_name == "fp8/fp8" and not rotated:
-            out.append(LayerExport(i, lp.codec_name, "fp8", True, "the calibrated k_scale cannot reach the engine"))
-        elif map_to_fp8:
-            why = "rotated latent" if rotated else f"{lp.codec_name} is not an engine cache"
-            out.append(LayerExport(i, lp.codec_name, "fp8", True, f"{why}: mapped to fp8 (--map-to-fp8)"))
-        else:
+        lx, extra = _layer_export(i, lp, map_to_fp8), _beyond_the_cache(lp)
+        if extra and not map_to_fp8:
+            beyond.append(f"layer {i}: {', '.join(extra)}")
+        elif lx is None:
             refused.append(i)
+        else:
+            out.append(dataclasses.replace(lx, mapped=True, why=f"{lx.why}; {', '.join(extra)} dropped (--map-to-fp8)")
+                       if extra else lx)
+    if beyond:
+        raise PlanError(f"{'; '.join(beyond)} — no engine runs these (mlaquant's own decoder does); pass --map-to-fp8 "
+                        "to export without them (loss measured)")
     if refused:
         names = sorted({plan.layers[i].codec_name + (" (rotated)" if plan.layers[i].rotate or plan.layers[i].rotate_rope
                                                       else "") for i in refused})
@@ -136,6 +161,30 @@ def write_export(model_dir: Path, out: Path, report: dict, copy: bool = False) -
         (tmp / REPORT_FILE).chmod(0o666 & ~umask)
         (tmp / SERVE_FILE).chmod(0o777 & ~umask)
     return out
+
+
+def checkpoint_kv_scales(model_dir: Path) -> list[str]:
+    """Names of KV-cache scale tensors already in the checkpoint (`*.k_scale`, `*.v_scale`, `*.kv_scale`), read
+    from the shard index or the shards' headers: export links the weights as they are, so these would ship."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = json.loads(index.read_text()).get("weight_map", {})
+    else:
+        names = [k for shard in sorted(model_dir.glob("*.safetensors")) for k in safe_open(shard, "pt").keys()]
+    return sorted(n for n in names if n.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "kv_scale"))
+
+
+def _check_source_scales(model_dir: Path, engine: str, force: bool) -> list[str]:
+    """The checkpoint's own KV scales: SGLang loads `k_proj.k_scale` and some backends misapply it, so an
+    SGLang export refuses them unless --force; vLLM drops them all (tests/test_engines.py). Returns the names."""
+    found = checkpoint_kv_scales(model_dir)
+    if found and engine == "sglang" and not force:
+        raise MLAQuantError(f"{model_dir} holds {len(found)} KV-cache scale tensors (e.g. {found[0]}); SGLang "
+                            f"{ENGINE_VERSIONS['sglang']} loads k_proj.k_scale and its flashmla / trtllm_mla backends "
+                            "misapply it — export from a checkpoint without them, or pass --force")
+    return found
 
 
 def _check_out(out: Path, model_dir: Path, plan_dir: Path) -> None:
@@ -223,8 +272,10 @@ def export(args: argparse.Namespace) -> dict:
             raise
         raise PlanError(f"--model defaults to the model {plan_dir} was calibrated on, but {e}; pass --model") from e
     layers = engine_layers(plan, args.engine, args.map_to_fp8, args.force)
+    source_scales = _check_source_scales(model_dir, args.engine, args.force)
     skip = [lx.layer for lx in layers if lx.engine == "kept"]
-    serve = vllm_serve_command(str(out), skip) if args.engine == "vllm" else sglang_serve_command(str(out))
+    where = str(out.resolve())  # serve.sh runs from any directory
+    serve = vllm_serve_command(where, skip) if args.engine == "vllm" else sglang_serve_command(where)
     metrics = measure(model, plan, engine_plan(plan, layers), args)
     budget = plan.budget if plan.budget is not None else 0.01
     loss = metrics["engine"]["loss"]
@@ -246,6 +297,8 @@ def export(args: argparse.Namespace) -> dict:
         "plan_test": plan.metrics.get("test"),
         "measured": metrics,
         "notes": engine_notes(args.engine),
+        "checkpoint_kv_scales": source_scales,
+        "dropped": {"window": plan.window} if plan.window else {},
     }
     report["out"] = str(write_export(model_dir, out, report, args.copy))
     return report

@@ -237,3 +237,50 @@ def test_e4m3_is_the_unit_scale_fp8_of_the_engines():
     x = torch.randn(64, D_C + D_R) * 3
     unit = LayerCodec.from_names("fp8", "fp8", D_C, D_R, fp8_scale=1.0)
     assert torch.equal(LayerCodec.from_names("e4m3", "e4m3", D_C, D_R).encode(x), unit.encode(x))
+
+
+def test_window_clip_and_w8a8_are_refused_by_name_or_dropped_and_recorded(ckpt, fp8_plan, tmp_path, capsys):
+    """No engine runs a residual FP16 window, clipped ranges or W8A8 projections: refused by name, or with
+    --map-to-fp8 exported without them, the layer counted as mapped and the dropped window recorded."""
+    windowed = _variant(fp8_plan, tmp_path, "windowed", window=64)
+    assert _export(windowed, ckpt, tmp_path / "o") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "last 64 rows of every layer in FP16 (a residual window)" in err
+    assert "--map-to-fp8" in err
+    assert not (tmp_path / "o").exists()
+    assert _export(windowed, ckpt, tmp_path / "o", "--map-to-fp8") == 0
+    assert json.loads((tmp_path / "o/mlaquant_export.json").read_text())["dropped"] == {"window": 64}
+
+    extra = _variant(fp8_plan, tmp_path, "extra", layers={1: LayerPlan("e4m3", "e4m3", int8_matmul=True),
+                                                          2: LayerPlan("e4m3", "e4m3", clip=True)})
+    assert _export(extra, ckpt, tmp_path / "x") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "layer 1: W8A8 projections (int8_matmul); layer 2: clipped ranges" in err
+    assert _export(extra, ckpt, tmp_path / "x", "--map-to-fp8") == 0
+    layers = json.loads((tmp_path / "x/mlaquant_export.json").read_text())["layers"]
+    assert [lx["mapped"] for lx in layers] == [False, True, True]
+    assert "W8A8 projections (int8_matmul) dropped" in layers[1]["why"] and "clipped ranges dropped" in layers[2]["why"]
+
+
+def test_checkpoint_kv_scales_are_found_and_refused_for_sglang(ckpt, fp8_plan, tmp_path, monkeypatch, capsys):
+    index = {"weight_map": {"model.layers.0.self_attn.k_proj.k_scale": "a.safetensors",
+                            "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": "a.safetensors"}}
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src/model.safetensors.index.json").write_text(json.dumps(index))
+    assert export_module.checkpoint_kv_scales(tmp_path / "src") == ["model.layers.0.self_attn.k_proj.k_scale"]
+    assert export_module.checkpoint_kv_scales(ckpt) == []
+    monkeypatch.setattr(export_module, "checkpoint_kv_scales", lambda d: ["model.layers.0.self_attn.k_proj.k_scale"])
+    assert _export(fp8_plan, ckpt, tmp_path / "s", engine="sglang") == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds 1 KV-cache scale tensors (e.g. model.layers.0.self_attn.k_proj.k_scale)" in err
+    assert not (tmp_path / "s").exists()
+    assert _export(fp8_plan, ckpt, tmp_path / "v") == 0  # vLLM drops them (tests/test_engines.py): recorded
+    report = json.loads((tmp_path / "v/mlaquant_export.json").read_text())
+    assert report["checkpoint_kv_scales"] == ["model.layers.0.self_attn.k_proj.k_scale"]
+
+
+def test_serve_command_names_the_export_by_absolute_path(ckpt, fp8_plan, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _export(fp8_plan, ckpt, Path("relative")) == 0
+    report = json.loads((tmp_path / "relative/mlaquant_export.json").read_text())
+    assert report["serve"] == vllm_serve_command(str((tmp_path / "relative").resolve()), [])
