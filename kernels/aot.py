@@ -261,21 +261,14 @@ def _meta(*shape, dtype) -> torch.Tensor:
 
 def decode_variants(heads=HEADS, codecs=DECODE_CODECS, config=None) -> list[Variant]:
     """The stage-1 decode launches (B = 32, 32k context) of every codec pair x head count, plus the merge."""
-    from mlaquant.codecs import LayerCodec
     from mlaquant.kernels import mla_decode as K
 
     config = config or K.load_kernel_config()
     out = []
     for h in heads:
         for name in codecs:
-            codec = LayerCodec.from_names(*name.split("/"), D_C, D_R)
-            ctx = max(CONTEXTS)
-            launch, _, stage0 = _decode_launch(K, codec, h, ctx, config)
-            warps = launch.kwargs["num_warps"]
-            head_blocks = launch.grid[0]  # programs per sequence and chunk (head blocks x value halves)
-            out.append(Variant("mla_decode", name, h, launch, {
-                "codec": codec, "row_bytes": codec.row_bytes, "block_n": launch.kwargs["BLOCK_N"],
-                "warps": warps, "head_blocks": head_blocks, "config": config}))
+            decode, stage0 = decode_variant(name, h, max(CONTEXTS), config)
+            out.append(decode)
             if stage0 is not None:
                 out.append(Variant("query", name, h, stage0))
         parts = _meta(BATCH, h, 2, D_C, dtype=torch.float32)
@@ -285,12 +278,25 @@ def decode_variants(heads=HEADS, codecs=DECODE_CODECS, config=None) -> list[Vari
     return out
 
 
-def _decode_launch(K, codec, heads: int, context: int, config, n_sm: int | None = None):
-    q = _meta(BATCH, heads, D_C + D_R, dtype=torch.float16)
-    pool = _meta(BATCH * context // K.PAGE_TOKENS, K.PAGE_TOKENS, codec.row_bytes, dtype=torch.uint8)
-    table = _meta(BATCH, context // K.PAGE_TOKENS, dtype=torch.int32)
-    lens = _meta(BATCH, dtype=torch.int32)
-    chunk = K.schedule_chunk(config, BATCH, heads, context, n_sm, codec)
+def decode_variant(name: str, heads: int, context: int, config, batch: int = BATCH, n_sm: int | None = None):
+    """(the stage-1 decode Variant of codec pair `name` at this shape, its stage-0 query launch or None)."""
+    from mlaquant.codecs import LayerCodec
+    from mlaquant.kernels import mla_decode as K
+
+    codec = LayerCodec.from_names(*name.split("/"), D_C, D_R)
+    launch, _, stage0 = _decode_launch(K, codec, heads, context, config, n_sm, batch)
+    return Variant("mla_decode", name, heads, launch, {
+        "codec": codec, "row_bytes": codec.row_bytes, "block_n": launch.kwargs["BLOCK_N"],
+        "warps": launch.kwargs["num_warps"], "head_blocks": launch.grid[0],  # programs per sequence and chunk
+        "config": config}), stage0
+
+
+def _decode_launch(K, codec, heads: int, context: int, config, n_sm: int | None = None, batch: int = BATCH):
+    q = _meta(batch, heads, D_C + D_R, dtype=torch.float16)
+    pool = _meta(batch * context // K.PAGE_TOKENS, K.PAGE_TOKENS, codec.row_bytes, dtype=torch.uint8)
+    table = _meta(batch, context // K.PAGE_TOKENS, dtype=torch.int32)
+    lens = _meta(batch, dtype=torch.int32)
+    chunk = K.schedule_chunk(config, batch, heads, context, n_sm, codec)
     stage0, staged = K.query_launch(q, codec, D_C, 0.1, config, on_gpu=True)
     launch, parts, lse = K.stage1_launch(q, staged, pool, table, lens, codec, D_C, 0.1, chunk, context, config,
                                          on_gpu=True)
@@ -312,23 +318,23 @@ def gemm_variants() -> list[Variant]:
     return out
 
 
-def predict(stats: dict, v: Variant, device: Device, context: int) -> dict:
-    """Predicted decode time (µs) and its terms for B = 32 sequences of `context` tokens (module docstring)."""
+def predict(stats: dict, v: Variant, device: Device, context: int, batch: int = BATCH) -> dict:
+    """Predicted decode time (µs) and its terms for `batch` sequences of `context` tokens (module docstring)."""
     from mlaquant.kernels import mla_decode as K
 
     d = v.decode
-    launch, parts, stage0 = _decode_launch(K, d["codec"], v.heads, context, d["config"], device.sms)
+    launch, parts, stage0 = _decode_launch(K, d["codec"], v.heads, context, d["config"], device.sms, batch)
     programs = math.prod(launch.grid)
     n_split = parts.shape[2]
-    tokens = BATCH * context
+    tokens = batch * context
     per_token = d["head_blocks"] / d["block_n"]
-    chunk = K.schedule_chunk(d["config"], BATCH, v.heads, context, device.sms, d["codec"])
+    chunk = K.schedule_chunk(d["config"], batch, v.heads, context, device.sms, d["codec"])
     rate = min(1.0, RESCALES_PER_PROGRAM * d["block_n"] / min(chunk, context))  # per loop iteration
     executed = stats["loop_instructions"] - (1.0 - rate) * stats["loop_conditional"]
     issue = executed * d["warps"] / 4 * per_token
     mma = device.mma_cycles(stats["loop_flops"]) * per_token
     cache = tokens * d["row_bytes"]
-    small = BATCH * v.heads * (D_C + D_R) * 2 + BATCH * v.heads * n_split * (D_C + 1) * 4
+    small = batch * v.heads * (D_C + D_R) * 2 + batch * v.heads * n_split * (D_C + 1) * 4
     sm_rate = device.sms * device.clock_ghz * 1e3  # cycles per µs over all SMs
     terms = {
         "hbm": (cache + small) / (device.hbm_tb_s * 1e6),
@@ -339,12 +345,31 @@ def predict(stats: dict, v: Variant, device: Device, context: int) -> dict:
     waves = math.ceil(programs / device.sms) / (programs / device.sms)
     merge = 0.0
     if n_split > 1:
-        merge = (BATCH * v.heads * (n_split * (D_C + 1) + D_C) * 4) / (device.hbm_tb_s * 1e6) + LAUNCH_US
+        merge = (batch * v.heads * (n_split * (D_C + 1) + D_C) * 4) / (device.hbm_tb_s * 1e6) + LAUNCH_US
     bound = max(terms, key=terms.get)
     total = terms[bound] * waves + merge + LAUNCH_US * (1 if stage0 is None else 2)
     return {"us": total, "bound": bound, "waves": waves, "programs": programs, "splits": n_split, "chunk": chunk,
             "rescale_rate": rate,
             "issue_cycles_per_token": issue, "mma_cycles_per_token": mma, **{f"t_{k}": t for k, t in terms.items()}}
+
+
+def device_named(name: str) -> Device | None:
+    """The cost model's device whose key ("H100", "H200", "A100") is in a CUDA device name, else None."""
+    return next((d for key, d in DEVICES.items() if key in name), None)
+
+
+def predict_measured(name: str, heads: int, batch: int, context: int, device_name: str, config=None) -> dict | None:
+    """The prediction beside a measured decode (`bench kernels` on a GPU): codec pair `name` at H, B, context on
+    the cost model's device for `device_name` (None where the model has none), compiled for its target with the
+    settings a launch there uses; context a multiple of 64."""
+    from mlaquant.kernels import mla_decode as K
+
+    device = device_named(device_name)
+    if device is None:
+        return None
+    config = (config or K.load_kernel_config()).for_target(device.target)
+    v, _ = decode_variant(name, heads, context, config, batch, device.sms)
+    return predict(inspect_variant(v, TARGETS[device.target]), v, device, context, batch)
 
 
 _CACHE: dict = {}

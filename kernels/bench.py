@@ -167,11 +167,27 @@ def decode_rows(
                     base_ms = ms if name == codecs[0] else base_ms
                     speedup = {"speedup_vs_base": base_ms / ms} if base_ms is not None else {}
                     rows.append({**row, "chunk_tokens": chunk, **_rates(ms, moved, flops, peaks, int8=False),
-                                 **speedup})
+                                 **speedup, **_prediction(name, h, b, ctx, device, dims)})
                 rows.append(_sdpa_row(shape, dims, scale, device, clock, sdpa_max_gb, peaks, base_ms))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     return rows
+
+
+def _prediction(name: str, heads: int, batch: int, context: int, device: torch.device, dims: dict) -> dict:
+    """The cost model's time for a measured row (`kernels/aot.py` `predict_measured`: the same launch compiled for
+    this GPU's target), as {"predicted_us", "predicted_bound"}, or {"predicted": why there is none}."""
+    from mlaquant.kernels import aot
+
+    if device.type != "cuda" or (dims["d_c"], dims["d_r"]) != (aot.D_C, aot.D_R):
+        return {"predicted": f"n/a: the cost model is for CUDA at d_c {aot.D_C}, d_r {aot.D_R}"}
+    try:
+        p = aot.predict_measured(name, heads, batch, context, torch.cuda.get_device_name(device))
+    except Exception as e:  # a failed compile must not cost the measurement beside it
+        return {"predicted": f"n/a: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    if p is None:
+        return {"predicted": f"n/a: no cost-model device for {torch.cuda.get_device_name(device)}"}
+    return {"predicted_us": p["us"], "predicted_bound": p["bound"]}
 
 
 def _sdpa_row(shape, dims, scale, device, clock, max_gb, peaks, base_ms: float | None) -> dict:
@@ -280,18 +296,20 @@ def render_markdown(meta: dict, rows: list[dict]) -> str:
         "## MLA decode (`mla_decode`, split-KV) and SDPA over expanded K/V",
         "",
         "| H | B | context | codec | B/token | chunk | µs | GB/s | % peak BW | TFLOP/s | % FP16 peak | "
-        "× vs first codec |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "× vs first codec | predicted µs (bound) | measured / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in (r for r in rows if r["kind"] in ("mla_decode", "sdpa_expanded")):
         head = f"| {r['heads']} | {r['batch']} | {r['context']} | {r['codec']} | {r['bytes_per_token']} |"
         if "skipped" in r:
-            lines.append(f"{head} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"{head} | skipped: {r['skipped']} | | | | | | | | |")
             continue
+        predicted = (f"{r['predicted_us']:.1f} ({r['predicted_bound']}) | {r['time_us'] / r['predicted_us']:.2f}"
+                     if "predicted_us" in r else f"{r.get('predicted', '—')} | —")
         lines.append(
             f"{head} {r.get('chunk_tokens', '—')} | {_fmt(r['time_us'])} | {_fmt(r['gb_per_s'], 0)} | "
             f"{_fmt(r.get('bw_pct_peak'))} | {_fmt(r['tflops'], 2)} | {_fmt(r.get('compute_pct_peak'))} | "
-            f"{_fmt(r.get('speedup_vs_base'), 2)} |"
+            f"{_fmt(r.get('speedup_vs_base'), 2)} | {predicted} |"
         )
     lines += [
         "",

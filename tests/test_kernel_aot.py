@@ -120,3 +120,40 @@ def test_at_16_heads_within_70_percent_of_the_hbm_roofline(rows, codec):
     roofline = BATCH * 32768 * LayerCodec.from_names(*codec.split("/"), D_C, D_R).row_bytes / (H100_PEAK_TB_S * 1e6)
     assert roofline / _us(rows[("sm_90a", codec, 16)]) >= 0.7, (roofline, _us(rows[("sm_90a", codec, 16)]))
     assert rows[("sm_90a", "fp16/fp16", 16)]["predicted"]["H100 32k"]["bound"] == "hbm"
+
+
+_MEASURED_SCRIPT = (
+    "import json, sys\n"
+    "from mlaquant.kernels import aot\n"
+    "shapes = [('int4-row/int4-row', 128, 32, 32768, 'NVIDIA H100 80GB HBM3'),\n"
+    "          ('int4-row/int4-row', 128, 1, 4096, 'NVIDIA H100 80GB HBM3'),\n"
+    "          ('int8-row/int8-row', 16, 32, 32768, 'NVIDIA A100-SXM4-80GB'),\n"
+    "          ('fp16/fp16', 16, 32, 32768, 'Tesla T4')]\n"
+    "json.dump([aot.predict_measured(*s) for s in shapes], open(sys.argv[1], 'w'))\n"
+)
+
+
+def test_prediction_beside_a_measurement_is_the_reports_at_its_shape(rows, tmp_path):
+    """`bench kernels` on a GPU puts `aot.predict_measured` beside each measured row: the report's own prediction
+    at B = 32, 32k on that device; a smaller shape predicts less; a GPU the cost model lacks gets none."""
+    out = tmp_path / "predicted.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", _MEASURED_SCRIPT, str(out)], env=env, check=True, timeout=1800)
+    h100, small, a100, t4 = json.loads(out.read_text())
+    assert h100["us"] == pytest.approx(_us(rows[("sm_90a", "int4-row/int4-row", 128)]))
+    assert a100["us"] == pytest.approx(_us(rows[("sm_80", "int8-row/int8-row", 16)], "A100 32k"))
+    assert small["us"] < h100["us"] / 10
+    assert t4 is None
+
+
+def test_kernel_bench_table_puts_measured_and_predicted_side_by_side():
+    from mlaquant.kernels.bench import render_markdown
+
+    meta = {"device": "NVIDIA H100", "torch": "t", "triton": "t", "copy_gb_per_s": 3000.0, "spec_peaks": None,
+            "args": {}}
+    row = {"kind": "mla_decode", "heads": 128, "batch": 32, "context": 32768, "codec": "int4-row/int4-row",
+           "bytes_per_token": 292, "chunk_tokens": 1024, "time_us": 500.0, "gb_per_s": 1.0, "tflops": 1.0}
+    table = render_markdown(meta, [{**row, "predicted_us": 400.0, "predicted_bound": "mma"},
+                                   {**row, "predicted": "n/a: no cost-model device for X"}])
+    assert "| predicted µs (bound) | measured / predicted |" in table
+    assert "| 400.0 (mma) | 1.25 |" in table and "| n/a: no cost-model device for X | — |" in table
