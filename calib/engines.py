@@ -2,7 +2,7 @@
 executed.
 
     mlaquant engines [--model M] [--plan DIR] [--codecs C,...] [--data test|third-party|PATH] [--contexts 512,2048]
-                     [--tokens 16384] [--json]
+                     [--tokens 16384] [--seed 0] [--no-llama-cpp] [--json]
     mlaquant engines --verify [--vllm 0.33.0] [--sglang 0.5.23] [--json]
 
 Pricing: every format of `mlaquant.engines.FORMATS` that fits the model's widths, as a uniform plan, and the

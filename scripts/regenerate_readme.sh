@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Rerun every command whose output the README and MODEL.md quote for the bundled model, one after another
+# Rerun every command whose output the README, docs/ and MODEL.md quote for the bundled model, one after another
 # (nothing else running: the timed ones are the main job and the sweep), each output saved under OUT.
 #
 #     bash scripts/regenerate_readme.sh [OUT [STEP ...]]     (OUT default runs/readme; STEP default: all, in order)
 #
-# Steps: main_job int8_matmul rope_rotation guard guard_clip_all fast_path bf16 generate hf_cache lm_eval sweep
+# Steps: main_job three_bit sweep engines engines_test levels transform int8_matmul rope_rotation guard guard_clip_all
+#        fast_path bf16 generate hf_cache lm_eval
 #
 # The decode-speed benchmarks (`mlaquant bench decode ...`) are not here: they use random weights, not the
 # bundled model, and want an idle machine of their own.
@@ -12,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/readme}
 shift || true
-STEPS=${*:-main_job int8_matmul rope_rotation guard guard_clip_all fast_path bf16 generate hf_cache lm_eval sweep}
+STEPS=${*:-main_job three_bit sweep engines engines_test levels transform int8_matmul rope_rotation guard guard_clip_all fast_path bf16 generate hf_cache lm_eval}
 mkdir -p "$OUT"
 run() {  # run NAME CMD...: stdout+stderr to OUT/NAME.txt, wall time appended; skipped unless NAME is in STEPS
     local name=$1; shift
@@ -23,6 +24,12 @@ run() {  # run NAME CMD...: stdout+stderr to OUT/NAME.txt, wall time appended; s
     echo "wall $(( SECONDS - t0 )) s: $*" >> "$OUT/$name.txt"
 }
 run main_job /usr/bin/time -v mlaquant calibrate --out plans/default
+run three_bit /usr/bin/time -v mlaquant calibrate --config configs/calibrate-3bit.yaml --out plans/3bit
+run sweep bash -c 'mlaquant sweep --out runs/sweep && mkdir -p docs/sweep && cp runs/sweep/{report.md,report.json,sweep.png,memory.png} docs/sweep/'
+run engines mlaquant engines --plan plans/default --data third-party --codecs int4-g32/int4-g32,int4-row/int4-row
+run engines_test mlaquant engines --plan plans/default --data test --codecs int4-g32/int4-g32,int4-row/int4-row
+run levels python scripts/measure_levels.py
+run transform python scripts/measure_transform.py --out "$OUT/transform.json"
 run int8_matmul mlaquant calibrate --int8-matmul --out plans/int8mm
 run rope_rotation python scripts/measure_rope_rotation.py
 run guard python scripts/measure_recalibration.py --plan plans/default --out "$OUT/guard.json"
@@ -46,5 +53,4 @@ print(tok.decode(out[0].tolist()))
 print(cache.nbytes(), "bytes for", cache.get_seq_length(), "tokens")
 PY
 run lm_eval bash -c 'cd tests/lm_eval_tasks && HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 mlaquant-lm-eval --model mlaquant --model_args plan=int8,device=cpu --tasks mlaquant_code_choice,mlaquant_code_rolling --include_path .'
-run sweep bash -c 'mlaquant sweep --out runs/sweep && mkdir -p docs/sweep && cp runs/sweep/{report.md,report.json,sweep.png,memory.png} docs/sweep/'
 echo "outputs in $OUT" >&2
