@@ -32,7 +32,7 @@ Each step is a function of this module, its inputs and outputs in its signature:
 `long_context`); `calibrate` runs them in that order.
 
 Loss = relative perplexity increase against the FP16 cache, teacher-forced, every token through the
-quantized cache (`mlaquant.eval`).
+quantized cache (`mlaquant.evaluation.eval`).
 """
 
 from __future__ import annotations
@@ -52,19 +52,19 @@ from tqdm import tqdm
 from mlaquant.calib import transform
 from mlaquant.calib.data import shift_description, shift_source, split_path
 from mlaquant.calib.observers import LatentStats, observe, observe_streamed
-from mlaquant.codecs import CodecError, LayerCodec
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.device import add_device_arguments, auto_batch_size, peak_memory, place
 from mlaquant.device import from_args as device_from_args
 from mlaquant.device import settings as device_settings
 from mlaquant.errors import MLAQuantError
-from mlaquant.eval import EvalResult, Evaluator, sample_bytes
-from mlaquant.int8_proj import with_int8_projections
-from mlaquant.model import MLAModel, hadamard_signs, latent_rotation, with_latent_rotation
-from mlaquant.plan import LayerPlan, Plan
-from mlaquant.ranges import percentile_bounds
-from mlaquant.samples import token_samples
-from mlaquant.stream import StreamedEvaluator, StreamedModel
+from mlaquant.evaluation.eval import EvalResult, Evaluator, sample_bytes
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.modeling.int8_proj import with_int8_projections
+from mlaquant.modeling.model import MLAModel, hadamard_signs, latent_rotation, with_latent_rotation
+from mlaquant.modeling.stream import StreamedEvaluator, StreamedModel
+from mlaquant.quant.codecs import CodecError, LayerCodec
+from mlaquant.quant.ranges import percentile_bounds
+from mlaquant.runtime.plan import LayerPlan, Plan
 
 log = logging.getLogger(__name__)
 
@@ -925,7 +925,7 @@ def json_summary(plan: Plan, model: MLAModel | StreamedModel, report: dict, out:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlaquant.loader import load_model
+    from mlaquant.modeling.loader import load_model
 
     base = load_config(CalibrateConfig, args.config, "calibrate.yaml")
     overrides = {

@@ -1,7 +1,7 @@
 """The bundled held-out text splits: `mlaquant.calib/data/{calibration,validation,test}.jsonl`, and the
 off-distribution text the reports add beside them.
 
-The splits are held out from training by file and disjoint (see `manifest.json`); `mlaquant.samples` turns
+The splits are held out from training by file and disjoint (see `manifest.json`); `mlaquant.evaluation.samples` turns
 any of them (or any other text source) into deterministic token samples. The bundled model and its splits
 come from the Python stdlib; `shift_source` is Python of installed third-party packages (`SHIFT_PACKAGES`),
 read where it is installed at run time, never shipped as data.
@@ -31,8 +31,8 @@ SHIFT_PACKAGES = {"validation": ("torch.distributed", "torch.utils"), "test": ("
 
 
 def shift_source(split: str = "test") -> tuple[Path, ...]:
-    """The directories of `SHIFT_PACKAGES[split]` as installed (module docstring): a source `mlaquant.samples`
-    reads."""
+    """The directories of `SHIFT_PACKAGES[split]` as installed (module docstring): a source
+    `mlaquant.evaluation.samples` reads."""
     dirs = []
     for name in SHIFT_PACKAGES[split]:
         spec = importlib.util.find_spec(name)

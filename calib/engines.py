@@ -5,12 +5,13 @@ executed.
                      [--tokens 16384] [--seed 0] [--no-llama-cpp] [--json]
     mlaquant engines --verify [--vllm 0.33.0] [--sglang 0.5.23] [--json]
 
-Pricing: every format of `mlaquant.engines.FORMATS` that fits the model's widths, as a uniform plan, and the
-plan and mlaquant codecs given, on the same token windows per context: bytes per token and layer, bits per value, loss
-(teacher-forced, every token through the cache, as `calibrate` reports) and the loss by position bucket; with
+Pricing: every format of `mlaquant.integrations.engines.FORMATS` that fits the model's widths, as a uniform plan, and
+the plan and mlaquant codecs given, on the same token windows per context: bytes per token and layer, bits per value,
+loss (teacher-forced, every token through the cache, as `calibrate` reports) and the loss by position bucket; with
 llama-cpp-python installed, llama.cpp's own loss on the same tokens beside its formats (the cross-check of the
 q8_0 / q4_0 emulation; llama.cpp also rounds its queries to q8_0 against a quantized cache, see
-`mlaquant.llamacpp`). Verify: `mlaquant.engine_check` on the releases given, fetched with pip on first use.
+`mlaquant.integrations.llamacpp`). Verify: `mlaquant.integrations.engine_check` on the releases given, fetched with
+pip on first use.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import math
 import torch
 from tqdm import tqdm
 
-from mlaquant.engines import ENGINE_VERSIONS, FORMATS, SCALE_NAMES, CacheFormat
 from mlaquant.errors import MLAQuantError
+from mlaquant.integrations.engines import ENGINE_VERSIONS, FORMATS, SCALE_NAMES, CacheFormat
 
 LLAMA_CPP_TYPES = {"llama.cpp f16": "f16", "llama.cpp q8_0": "q8_0", "llama.cpp q4_0": "q4_0"}
 
@@ -33,7 +34,7 @@ def price(model, tokens: dict[int, torch.Tensor], rows: list[tuple[str, object]]
     """Loss of each (label, plan) in `rows` on `tokens` (context → token windows [n, T]), teacher-forced
     through the cache: per label the bytes per token and layer, bits per value, and per context the loss and
     the loss by position bucket; and per context the FP16 reference's mean NLL."""
-    from mlaquant.eval import Evaluator
+    from mlaquant.evaluation.eval import Evaluator
 
     d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     evaluators = {t: Evaluator(model, ids, batch_size) for t, ids in tokens.items()}
@@ -51,8 +52,8 @@ def price(model, tokens: dict[int, torch.Tensor], rows: list[tuple[str, object]]
 
 def llama_cpp_losses(model, tokens: dict[int, torch.Tensor], ref_nll: dict[int, float]) -> dict[str, dict]:
     """llama.cpp's own loss for each of its formats (label → context → loss), or label → {"skipped": why}."""
-    from mlaquant import llamacpp
-    from mlaquant.distributions import cache_dir
+    from mlaquant.integrations import llamacpp
+    from mlaquant.integrations.distributions import cache_dir
 
     reason = llamacpp.unavailable()
     if reason is not None:
@@ -69,9 +70,9 @@ def llama_cpp_losses(model, tokens: dict[int, torch.Tensor], ref_nll: dict[int, 
 
 
 def verify(vllm_version: str, sglang_version: str, layer: int = 3) -> dict:
-    """The executed checks (`mlaquant.engine_check`) for those releases: per engine and quant config, each of
-    SCALE_NAMES → the parameter it loads into (None: dropped), and whether MLAAttention gets a KV method."""
-    from mlaquant import engine_check
+    """The executed checks (`mlaquant.integrations.engine_check`) for those releases: per engine and quant config, each
+    of SCALE_NAMES → the parameter it loads into (None: dropped), and whether MLAAttention gets a KV method."""
+    from mlaquant.integrations import engine_check
 
     names = [n.format(i=layer) for n in SCALE_NAMES]
     vroot, sroot = engine_check.engine_root("vllm", vllm_version), engine_check.engine_root("sglang", sglang_version)
@@ -141,9 +142,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from mlaquant.calib.sweep import parse_list
     from mlaquant.device import from_args as device_from_args
-    from mlaquant.loader import load_model
-    from mlaquant.plan import Plan
-    from mlaquant.samples import token_samples
+    from mlaquant.evaluation.samples import token_samples
+    from mlaquant.modeling.loader import load_model
+    from mlaquant.runtime.plan import Plan
 
     contexts = parse_list(args.contexts, "--contexts", int)
     device, dtype = device_from_args(args)
@@ -169,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _fits(f: CacheFormat, model) -> bool:
     """Whether the format's codecs divide the model's latent widths (a q4_0 k_pe needs d_r % 32 == 0)."""
-    from mlaquant.codecs import CodecError, LayerCodec
+    from mlaquant.quant.codecs import CodecError, LayerCodec
 
     try:
         LayerCodec.from_names(*f.codec.split("/"), model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)

@@ -3,7 +3,7 @@
 One pass of the model over the calibration samples records, for every layer and channel, the
 running min / max / absmax exactly, and keeps a strided subsample of rows (at most `max_rows` per
 layer) for percentiles and for measuring per-row quantization error and clip rate. `observe` runs a
-loaded `MLAModel`; `observe_streamed` runs a `StreamedModel` (`mlaquant.stream`) layer-major and
+loaded `MLAModel`; `observe_streamed` runs a `StreamedModel` (`mlaquant.modeling.stream`) layer-major and
 returns the same statistics bit for bit.
 """
 
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mlaquant.errors import MLAQuantError
-from mlaquant.model import MLAModel
-from mlaquant.ranges import percentile_bounds
-from mlaquant.stream import StreamedModel
+from mlaquant.modeling.model import MLAModel
+from mlaquant.modeling.stream import StreamedModel
+from mlaquant.quant.ranges import percentile_bounds
 
 
 @dataclass

@@ -5,18 +5,19 @@
 
 Rows, all on the same test tokens (`--data`, default the bundled test split — never a split a plan
 was chosen on):
-    ours        uniform codecs from `--codecs` (`<ckv>[/<kpe>]`, names as in `mlaquant.codecs`; a `+i8mm`
-                suffix also runs the absorbed projections in W8A8, `mlaquant.int8_proj`)
+    ours        uniform codecs from `--codecs` (`<ckv>[/<kpe>]`, names as in `mlaquant.quant.codecs`; a `+i8mm`
+                suffix also runs the absorbed projections in W8A8, `mlaquant.modeling.int8_proj`)
     window      `window_codecs` with a residual FP16 window of `window` tokens (`<codec>+w<R>`)
     calibrated  plans from `--plan DIR ...`, or calibrated here at each of `budgets` (bundled
                 calibration / validation splits, sizes from `calibrate:` in configs/sweep.yaml)
-    engine      `engines`: other engines' cache settings as mlaquant codecs (`mlaquant.engines.FORMATS`,
+    engine      `engines`: other engines' cache settings as mlaquant codecs (`mlaquant.integrations.engines.FORMATS`,
                 values bit-exact with each engine's quantizer)
-    peer        `mlaquant.peers`: transformers' default cache, its QuantizedCache, bitsandbytes NF4, llama.cpp
+    peer        `mlaquant.evaluation.peers`: transformers' default cache, its QuantizedCache, bitsandbytes NF4,
+                llama.cpp
 
 Each row reports bytes/token/layer, bits/value, cache MiB at each context, compression against the
-FP16 latent and against MHA's per-head K/V, Δppl, KL, top-1 (`mlaquant.eval`, against the FP16
-latent cache) and batch-1 decode tokens/s. Outputs (`mlaquant.report`): DIR/report.md, report.json,
+FP16 latent and against MHA's per-head K/V, Δppl, KL, top-1 (`mlaquant.evaluation.eval`, against the FP16
+latent cache) and batch-1 decode tokens/s. Outputs (`mlaquant.evaluation.report`): DIR/report.md, report.json,
 sweep.png, memory.png; calibrated plans go to DIR/plans/. Finished rows are kept in
 DIR/.sweep-state.json, keyed by everything that determines them, so a rerun with the same settings
 reuses them (an interrupted sweep resumes where it stopped).
@@ -40,21 +41,21 @@ import torch
 from tqdm import tqdm
 
 import mlaquant
-from mlaquant import report as report_mod
 from mlaquant.atomic import atomic_write
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.data import split_path
-from mlaquant.codecs import CodecError
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.device import add_device_arguments, auto_batch_size
 from mlaquant.device import from_args as device_from_args
-from mlaquant.engines import FORMATS
 from mlaquant.errors import MLAQuantError, PlanError
-from mlaquant.eval import Evaluator, sample_bytes
-from mlaquant.model import MLAModel
-from mlaquant.peers import PeerSpec, PeerUnavailable, torch_threads
-from mlaquant.plan import Plan
-from mlaquant.samples import token_samples
+from mlaquant.evaluation import report as report_mod
+from mlaquant.evaluation.eval import Evaluator, sample_bytes
+from mlaquant.evaluation.peers import PeerSpec, PeerUnavailable, torch_threads
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.integrations.engines import FORMATS
+from mlaquant.modeling.model import MLAModel
+from mlaquant.quant.codecs import CodecError
+from mlaquant.runtime.plan import Plan
 from mlaquant.versions import library_versions, package_version
 
 STATE_FILE = ".sweep-state.json"
@@ -294,7 +295,7 @@ class SweepRun:
         return 1.0 / statistics.median(times[1:])
 
     def measure_peer(self, spec: PeerSpec) -> dict:
-        from mlaquant import peers
+        from mlaquant.evaluation import peers
 
         if spec.name == "bnb-nf4":
             return peers.measure_nf4(self.evaluator, self.cfg.nf4_blocksize)
@@ -568,7 +569,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlaquant.loader import load_model
+    from mlaquant.modeling.loader import load_model
 
     overrides = {
         "codecs": parse_list(args.codecs, "--codecs"),

@@ -1,12 +1,12 @@
 """Transform coding of the latent for calibration: a per-layer rotation that decorrelates c_kv (its principal
 axes on the calibration rows) and the bits per channel band that the rotated variances call for.
 
-Any orthogonal R on c_kv folds exactly into W_UK / W_UV (`mlaquant.model.with_latent_rotation`), so a layer
+Any orthogonal R on c_kv folds exactly into W_UK / W_UV (`mlaquant.modeling.model.with_latent_rotation`), so a layer
 may cache c_kv·R. With R the eigenvectors of the rows' second moment E[c cᵀ] (largest eigenvalue first) the
 rotated channels are uncorrelated and their variances σ_i² fall steeply; at a given rate the squared error
 of independent scalar codes is least when b_i ≈ b̄ + ½·log2(σ_i² / geometric-mean σ²) (reverse
 water-filling). `allocate_bands` does that greedily on blocks of `block` channels with the band codec's
-bit widths (`mlaquant.band_codecs.BAND_BITS`): each step gives the next width to the block whose squared
+bit widths (`mlaquant.quant.band_codecs.BAND_BITS`): each step gives the next width to the block whose squared
 error falls most per bit spent, σ_b²·2^(-2b) for b bits (σ_b² for 0), while the budget lasts.
 
 Candidate names: `pca-<rate>` for the c_kv part ('pca-2.5/int4-row'), rate = code bits per c_kv value
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mlaquant.band_codecs import BAND_BITS
+from mlaquant.quant.band_codecs import BAND_BITS
 
 PCA = "pca-"
 

@@ -2,10 +2,10 @@
 
     mla_decode   split-KV MLA decode over the paged FP16/INT8/INT4 latent cache (+ gated merge of partials)
     int8_gemm    W8A8 GEMM with per-token / per-channel scales and LLM.int8() outlier columns
-    bench        `mlaquant bench kernels` (CUDA only; `--aot` compiles for a GPU on the CPU)
     aot          compile every kernel variant for sm_90a / sm_80 on the CPU: registers, spills, MMA, cost model
 
 Importing this package is free; `mla_decode` and `int8_gemm` import triton, and decide at import time
 whether they run compiled (CUDA) or in triton's CPU interpreter (TRITON_INTERPRET=1 set before triton is
-first imported). Callers go through `mlaquant.ops`, which picks the backend.
+first imported). Callers go through `mlaquant.attention.ops`, which picks the backend. `mlaquant bench kernels`
+(`mlaquant.bench.kernels`; CUDA only, `--aot` compiles for a GPU on the CPU) times them.
 """

@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mlaquant.errors import BackendError
-from mlaquant.int8_quant import OUT_DTYPES, quantize_activation, quantize_weight_per_channel
+from mlaquant.quant.int8_quant import OUT_DTYPES, quantize_activation, quantize_weight_per_channel
 
 # --------------------------------------------------------------------------------------------- torch
 

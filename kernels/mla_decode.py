@@ -11,12 +11,12 @@ Inputs: `q` [B, H, d_c + d_r] fp16/bf16/fp32, `pool` uint8 [num_blocks, P, row_b
 P = 64 tokens (any P works), `block_table` int32 [B, max_blocks] (token t of sequence b is row t % P of block
 `block_table[b, t // P]`; entries past the sequence are never read), `seq_lens` int32 [B] (0 gives out 0,
 lse −inf; other integer dtypes of the two index tensors are converted), `codec` a
-`mlaquant.codecs.LayerCodec`; checked by the one decode contract, `mlaquant.decode_inputs.DecodeInputs`
+`mlaquant.quant.codecs.LayerCodec`; checked by the one decode contract, `mlaquant.attention.decode_inputs.DecodeInputs`
 (`check_kernel_layout` for what only this kernel needs). Slots past a sequence's end are never read, so they
 may hold anything (NaN included).
 
 Bytes read per row (little-endian; the c_kv part at byte 0, the k_pe part at byte `codec.ckv.row_bytes`;
-each part of width W in groups of G channels, n_g = W / G, see `mlaquant.codecs`):
+each part of width W in groups of G channels, n_g = W / G, see `mlaquant.quant.codecs`):
 
     fp16            W fp16 values                       2W bytes
     int8 sym        W int8 codes (q in [-128, 127]) | n_g fp16 s (signed)           x = q * s
@@ -26,7 +26,8 @@ each part of width W in groups of G channels, n_g = W / G, see `mlaquant.codecs`
     band (c_kv)     the bands' codes in band order (b bits x w channels: w·b/8 bytes, channel c of the band at bit
                     b·c of its little-endian byte string, stored u = q + 2^(b-1), q in [-2^(b-1), 2^(b-1) - 1],
                     an 8-bit band the int8 byte) | one fp16 s per band of > 0 bits (signed)      x = q * s
-                    (b in 8/4/3/2/0, w a multiple of 8; a 0-bit band stores nothing, x = 0; `mlaquant.band_codecs`)
+                    (b in 8/4/3/2/0, w a multiple of 8; a 0-bit band stores nothing, x = 0;
+                    `mlaquant.quant.band_codecs`)
     fp32 / bf16     refused here (BackendError): they exist for exactness checks on the torch path.
 
 Scores. Each row part is scored one of two ways, chosen per block shape and part family by
@@ -164,12 +165,12 @@ import os
 from dataclasses import dataclass, field
 
 import torch
-import triton  # an ImportError here is what mlaquant.ops turns into "backend 'triton' unavailable"
+import triton  # an ImportError here is what mlaquant.attention.ops turns into "backend 'triton' unavailable"
 import triton.language as tl
 from torch import Tensor
 
+from mlaquant.attention.decode_inputs import DecodeInputs
 from mlaquant.config import ConfigError, chunk_for_context, load_config
-from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
 
 PAGE_TOKENS = 64

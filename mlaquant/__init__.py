@@ -11,9 +11,9 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_model": "mlaquant.loader",
-    "DecodeSession": "mlaquant.session",
-    "generate": "mlaquant.session",
+    "load_model": "mlaquant.modeling.loader",
+    "DecodeSession": "mlaquant.runtime.session",
+    "generate": "mlaquant.runtime.session",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

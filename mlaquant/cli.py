@@ -2,9 +2,9 @@
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
 The CLI is the entry above every layer, so its table of module names (strings, imported only when
-that subcommand runs) names `mlaquant.calib.calibrate`, `mlaquant.calib.sweep` and (nested under
-`bench`, `NESTED`) `mlaquant.calib.bench_gpu`: the one reference
-from `mlaquant/` up into `calib/` (tests/test_layering.py checks that no import statement makes one).
+that subcommand runs) names `mlaquant.calib.calibrate`, `mlaquant.calib.sweep` and the `mlaquant.bench`
+modules (`mlaquant.bench.gpu` nested under `bench`, `NESTED`): the one reference from `mlaquant/` up into
+`calib/` and `mlaquant.bench` (tests/test_layering.py checks that no import statement makes one).
 Errors that users can fix (bad paths, bad configs, mismatched plans) are `MLAQuantError`s and print
 as one line with exit code 2; `--debug` shows the traceback instead.
 
@@ -22,8 +22,8 @@ import sys
 from mlaquant import __version__
 from mlaquant.errors import MLAQuantError
 
-# subcommand -> its own subcommands that live above it (mlaquant.calib), named here as strings too
-NESTED = {"bench": {"gpu": ("mlaquant.calib.bench_gpu", "GPU acceptance run: tests, kernels, calibrate, decode")}}
+# subcommand -> its own subcommands that live in modules of their own (mlaquant.bench.gpu), named here as strings too
+NESTED = {"bench": {"gpu": ("mlaquant.bench.gpu", "GPU acceptance run: tests, kernels, calibrate, decode")}}
 
 # subcommand -> the settings to lower when it runs out of GPU memory
 OOM_SETTINGS = {
@@ -39,11 +39,11 @@ OOM_SETTINGS = {
 # subcommand -> (module, one-line help)
 SUBCOMMANDS = {
     "generate": ("mlaquant.generate_cli", "greedy/sampled completion with the latent-cache decoder"),
-    "bench": ("mlaquant.bench", "benchmarks (decode step time against transformers)"),
-    "train": ("mlaquant.train", "train the bundled MLA code model on the Python standard library"),
+    "bench": ("mlaquant.bench.decode", "benchmarks (decode step time against transformers)"),
+    "train": ("mlaquant.bundled.train", "train the bundled MLA code model on the Python standard library"),
     "calibrate": ("mlaquant.calib.calibrate", "calibrate a per-layer cache plan under an accuracy budget"),
     "sweep": ("mlaquant.calib.sweep", "accuracy-vs-memory report over cache codecs and plans"),
-    "export": ("mlaquant.export", "export a plan for vLLM / SGLang"),
+    "export": ("mlaquant.integrations.export", "export a plan for vLLM / SGLang"),
     "engines": ("mlaquant.calib.engines", "what each engine cache setting costs on a model"),
 }
 

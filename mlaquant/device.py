@@ -4,7 +4,7 @@
     --dtype  auto | float32 | bfloat16 | float16    auto = bfloat16 on CUDA, float32 on CPU
 
 The dtype is the dtype of the model's *weights* only. Whatever it is, the latent rows, attention scores,
-softmax, log-sum-exp, logits and losses are FP32 (the numerics contract, `mlaquant.model`). A CUDA
+softmax, log-sum-exp, logits and losses are FP32 (the numerics contract, `mlaquant.modeling.model`). A CUDA
 out-of-memory error surfaces as one line naming the setting to lower (`mlaquant.cli.oom_message`).
 """
 

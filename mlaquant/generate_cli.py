@@ -59,10 +59,10 @@ def json_summary(args: argparse.Namespace, model, prompt: list[int], new: list[i
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlaquant import ops
-    from mlaquant.guard import Guard
-    from mlaquant.loader import load_model
-    from mlaquant.session import generate
+    from mlaquant.attention import ops
+    from mlaquant.modeling.loader import load_model
+    from mlaquant.runtime.guard import Guard
+    from mlaquant.runtime.session import generate
 
     model = load_model(args.model, *device_from_args(args))
     if model.tokenizer is None:

@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from mlaquant import DecodeSession, load_model
 from mlaquant.calib.data import split_path
-from mlaquant.plan import Plan
-from mlaquant.samples import token_samples
-from mlaquant.session import generate
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.runtime.plan import Plan
+from mlaquant.runtime.session import generate
 
 PROMPTS = ["def fib(n):", "The capital of France is", "import numpy as np\n"]
 

@@ -4,7 +4,7 @@ and the loss on the test split and on third-party text, uniform plans (every lay
     python scripts/measure_levels.py [--codecs int4-row,int4-g32,...] [--samples 32] [--seq-len 512]
 
 "absmax/qmax" is the last release's rule, restated here as the baseline: s = fp16_up(absmax / qmax), codes
-−qmax..qmax (15 of int4's 16 levels, 255 of int8's 256). "this release" is `mlaquant.codecs.symmetric_codes`:
+−qmax..qmax (15 of int4's 16 levels, 255 of int8's 256). "this release" is `mlaquant.quant.codecs.symmetric_codes`:
 the extreme on code −(qmax+1) (llama.cpp q4_0's orientation) and, for int4, the shrink factor of least squared
 error. Asymmetric codecs are unchanged (they use every level already). Prints a markdown table with the CPU
 capability in its header; `--out` also writes it as JSON.
@@ -20,13 +20,14 @@ import math
 import torch
 from tqdm import tqdm
 
-from mlaquant import codecs, load_model
+from mlaquant import load_model
 from mlaquant.calib.data import shift_description, shift_source, split_path
 from mlaquant.calib.observers import observe
-from mlaquant.codecs import _fp16_round
-from mlaquant.eval import Evaluator
-from mlaquant.plan import Plan
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.quant import codecs
+from mlaquant.quant.codecs import _fp16_round
+from mlaquant.runtime.plan import Plan
 
 
 def absmax_codes(xg: torch.Tensor, qmax: int, factors: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:

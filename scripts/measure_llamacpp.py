@@ -4,7 +4,7 @@ mean NLL per predicted token (and its difference from FP16's), perplexity, and t
     python scripts/measure_llamacpp.py [--model DIR] [--data PATH] [--samples 8] [--seq-len 512] [--seed 0]
 
 loss = exp(nll − nll_mlaquant_fp16) − 1. llama.cpp runs the model padded to 26 identity-extended layers and
-converted to GGUF (f32 weights), cached under --cache-dir (`mlaquant.llamacpp`). Prints a markdown table
+converted to GGUF (f32 weights), cached under --cache-dir (`mlaquant.integrations.llamacpp`). Prints a markdown table
 headed by the machine's CPU capability and the versions.
 """
 
@@ -19,11 +19,11 @@ import torch
 
 from mlaquant import load_model
 from mlaquant.calib.data import split_path
-from mlaquant.distributions import cache_dir
-from mlaquant.eval import Evaluator
-from mlaquant.llamacpp import CACHE_TYPES, gguf_for, token_nll
-from mlaquant.loader import resolve_model_path
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.integrations.distributions import cache_dir
+from mlaquant.integrations.llamacpp import CACHE_TYPES, gguf_for, token_nll
+from mlaquant.modeling.loader import resolve_model_path
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ Every sequence is prefilled with its first `--prefill` tokens, then decoded teac
 time (the guard sees every new row), so each later token's NLL comes from the quantized cache as it is
 at that step. Sequences longer than the calibration samples (512 tokens by default; 2048 = 4x) make the
 late rows drift away from the calibration data, which is the case re-estimation is meant for. Each run's
-loss is also given per bucket of target positions (`mlaquant.eval.position_spans`).
+loss is also given per bucket of target positions (`mlaquant.evaluation.eval.position_spans`).
 Prints a markdown table; `--out` also writes it as JSON.
 """
 
@@ -23,10 +23,10 @@ from tqdm import tqdm
 
 from mlaquant import DecodeSession, load_model
 from mlaquant.calib.data import split_path
-from mlaquant.eval import position_spans
-from mlaquant.guard import Guard
-from mlaquant.plan import Plan
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.eval import position_spans
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.runtime.guard import Guard
+from mlaquant.runtime.plan import Plan
 
 
 def decode_nll(model, plan, ids: torch.Tensor, prefill: int, guard: Guard | None) -> torch.Tensor:

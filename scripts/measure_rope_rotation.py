@@ -19,10 +19,10 @@ from tqdm import tqdm
 from mlaquant import load_model
 from mlaquant.calib.data import split_path
 from mlaquant.calib.observers import observe
-from mlaquant.codecs import LayerCodec
-from mlaquant.eval import Evaluator
-from mlaquant.model import hadamard_signs, latent_rotation, with_latent_rotation
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.modeling.model import hadamard_signs, latent_rotation, with_latent_rotation
+from mlaquant.quant.codecs import LayerCodec
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python scripts/measure_transform.py [--samples 32] [--seq-len 512] [--out ablation.json]
 
 Every row is a plan with the same codecs in every layer (no search), c_kv in channel bands of the band codec
-(`mlaquant.codecs.BandCodec`), k_pe Hadamard-rotated after RoPE in the codec named: the loss on the validation
+(`mlaquant.quant.codecs.BandCodec`), k_pe Hadamard-rotated after RoPE in the codec named: the loss on the validation
 and the test split (teacher-forced, every token through the cache) and the bits per cached value with every
 byte counted. Rotations and allocations come from 64 calibration samples:
 
@@ -25,10 +25,10 @@ from mlaquant import load_model
 from mlaquant.calib.data import split_path
 from mlaquant.calib.observers import observe
 from mlaquant.calib.transform import allocate_bands, principal_rotation
-from mlaquant.eval import Evaluator
-from mlaquant.model import causal_attention, hadamard_rotation, hadamard_signs
-from mlaquant.plan import LayerPlan, Plan
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.modeling.model import causal_attention, hadamard_rotation, hadamard_signs
+from mlaquant.runtime.plan import LayerPlan, Plan
 
 ROWS = [  # label, rotation, allocation (rate of c_kv code bits per value), weighting, k_pe codec
     ("int3 rows, no rotation", "none", ("uniform", 3), None, "int4-row"),

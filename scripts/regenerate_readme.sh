@@ -40,8 +40,8 @@ run generate mlaquant generate --plan plans/default --prompt "def fib(n):" --max
 run hf_cache python - <<'PY'
 import torch
 from transformers import AutoModelForCausalLM
-from mlaquant.hf import PlanCache
-from mlaquant.loader import default_model_path, load_model
+from mlaquant.integrations.hf import PlanCache
+from mlaquant.modeling.loader import default_model_path, load_model
 
 path = default_model_path()
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -90,7 +88,7 @@ def tiny_model(tmp_path_factory):
     return load_model(path)
 
 
-# dimensions of the tiny synthetic checkpoints written by scripts/make_synthetic_checkpoint.py
+# dimensions of the tiny synthetic checkpoints written by mlaquant.modeling.synthetic
 SYNTH_DIMS = dict(
     hidden=48, heads=4, kv_lora_rank=32, rope_dim=8, nope_dim=12, v_dim=12, q_lora_rank=24,
     intermediate=64, experts=4, moe_intermediate=16,
@@ -99,20 +97,18 @@ SYNTH_DIMS = dict(
 
 @pytest.fixture(scope="session")
 def synthetic():
-    """write(path, layers, **overrides) → a checkpoint dir from scripts/make_synthetic_checkpoint.py with
+    """write(path, layers, **overrides) → a checkpoint dir from mlaquant.modeling.synthetic with
     SYNTH_DIMS (overrides: shards, seed, dtype, any dimension)."""
-    script = Path(__file__).resolve().parents[1] / "scripts" / "make_synthetic_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_synthetic_checkpoint", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return lambda path, layers, **kw: module.write_checkpoint(path, **{**SYNTH_DIMS, "layers": layers, **kw})
+    from mlaquant.modeling.synthetic import write_checkpoint
+
+    return lambda path, layers, **kw: write_checkpoint(path, **{**SYNTH_DIMS, "layers": layers, **kw})
 
 
 @pytest.fixture
 def fresh_native_build(monkeypatch):
-    """`mlaquant.native` unbuilt (its build is cached per process) under this test's monkeypatches (the
+    """`mlaquant.attention.native` unbuilt (its build is cached per process) under this test's monkeypatches (the
     fixture's value: set MLAQUANT_NATIVE / CC with it), rebuilt as it was afterwards."""
-    from mlaquant import native
+    from mlaquant.attention import native
 
     native._library.cache_clear()
     yield monkeypatch

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mlaquant.cpu_decode import quantize_query
-from mlaquant.int8_quant import quantize_activation
+from mlaquant.attention.cpu_decode import quantize_query
+from mlaquant.quant.int8_quant import quantize_activation
 
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 

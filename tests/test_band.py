@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from mlaquant import DecodeSession
-from mlaquant.band_codecs import pack, unpack
 from mlaquant.calib.transform import allocate_bands, band_spec, principal_rotation
-from mlaquant.codecs import CodecError, CodecSpec, LayerCodec, RowCodec, symmetric_codes
-from mlaquant.eval import fake_quant_hook
-from mlaquant.plan import LayerPlan, Plan
+from mlaquant.evaluation.eval import fake_quant_hook
+from mlaquant.quant.band_codecs import pack, unpack
+from mlaquant.quant.codecs import CodecError, CodecSpec, LayerCodec, RowCodec, symmetric_codes
+from mlaquant.runtime.plan import LayerPlan, Plan
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

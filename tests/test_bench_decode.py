@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlaquant import bench
+from mlaquant.bench import decode as bench
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,8 @@ def test_table_has_one_cell_per_column(results):
 
 
 def test_attention_bench_batch_axis_rows_per_codec_and_path(capsys):
-    from mlaquant import bench_attention, native
+    from mlaquant.attention import native
+    from mlaquant.bench import attention as bench_attention
 
     rows = bench_attention.bench_attention([1, 2], [64], ["fp16", "int8"], steps=1)
     paths = {"fp16": ("reference", "fast", "auto"),
@@ -50,7 +51,7 @@ def test_attention_bench_batch_axis_rows_per_codec_and_path(capsys):
 
 
 def test_attention_bench_fast_block_rows_and_bad_option_exits_nonzero(capsys):
-    from mlaquant import bench_attention
+    from mlaquant.bench import attention as bench_attention
     from mlaquant.cli import main
 
     rows = bench_attention.bench_attention([2], [128], ["int8-row"], steps=1, fast_blocks=[(64, 1), (128, 2)])
@@ -61,7 +62,8 @@ def test_attention_bench_fast_block_rows_and_bad_option_exits_nonzero(capsys):
 
 
 def test_attention_bench_times_integer_codecs_with_and_without_the_c_kernels():
-    from mlaquant import bench_attention, native
+    from mlaquant.attention import native
+    from mlaquant.bench import attention as bench_attention
 
     rows = bench_attention.bench_attention([1], [64], ["fp16", "int4-row"], steps=1)
     paths = [(r["codec"], r["path"]) for r in rows]

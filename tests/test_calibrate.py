@@ -14,8 +14,8 @@ from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.data import split_path
 from mlaquant.config import ConfigError
 from mlaquant.errors import MLAQuantError
-from mlaquant.plan import Plan
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.runtime.plan import Plan
 
 SMALL = dict(
     samples=16, seq_len=128, val_samples=8, test_samples=4, batch_size=8, long_seq_len=256, long_test_samples=2,
@@ -130,7 +130,7 @@ def test_cli_errors_are_one_line_and_leave_no_plan_dir(tmp_path):
 
 
 def test_interrupted_save_leaves_no_partial_directory(plan_1pct, tmp_path, monkeypatch):
-    import mlaquant.plan as plan_module
+    import mlaquant.runtime.plan as plan_module
 
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
@@ -143,7 +143,7 @@ def test_interrupted_save_leaves_no_partial_directory(plan_1pct, tmp_path, monke
 
 def test_int8_matmul_enters_the_search_and_falls_back(bundled):
     from mlaquant.calib.calibrate import Validation, add_int8_matmul, int8_matmul_costs
-    from mlaquant.eval import Evaluator
+    from mlaquant.evaluation.eval import Evaluator
 
     # an INT8 cache leaves most of the budget to the projections
     cfg = CalibrateConfig(**SMALL, budget=0.01, int8_matmul=True, candidates=("int8-g64/int8-g32", "fp16/fp16"))

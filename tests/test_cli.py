@@ -13,9 +13,9 @@ import pytest
 
 import mlaquant
 from mlaquant.cli import main
-from mlaquant.loader import default_model_path, resolve_model_path
-from mlaquant.plan import Plan
-from mlaquant.session import generate
+from mlaquant.modeling.loader import default_model_path, resolve_model_path
+from mlaquant.runtime.plan import Plan
+from mlaquant.runtime.session import generate
 
 PROMPT = "def add(a, b):"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaquant.codecs import (
+from mlaquant.quant.codecs import (
     CodecError,
     CodecSpec,
     FloatCodec,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from mlaquant.bundled.train import TrainConfig
 from mlaquant.calib.calibrate import CalibrateConfig
 from mlaquant.calib.sweep import SweepConfig
 from mlaquant.config import ConfigError, RuntimeConfig, load_config, load_runtime_config
-from mlaquant.guard import GuardConfig
-from mlaquant.train import TrainConfig
+from mlaquant.runtime.guard import GuardConfig
 
 # (kernels.yaml's KernelConfig is loaded the same way; it lives beside the Triton kernel, which imports triton)
 VERSIONED = [(RuntimeConfig, "runtime.yaml"), (GuardConfig, "guard.yaml"), (CalibrateConfig, "calibrate.yaml"),

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mlaquant import corpus
+from mlaquant.bundled import corpus
+from mlaquant.bundled.train import load_train_config
 from mlaquant.errors import MLAQuantError
-from mlaquant.train import load_train_config
 
 
 def _make_tree(root: Path, n: int = 60) -> None:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaquant import DecodeSession, native, ops
-from mlaquant.codecs import LayerCodec
-from mlaquant.cpu_decode import error_bound, mla_decode_cpu, pv_kind
+from mlaquant import DecodeSession
+from mlaquant.attention import native, ops
+from mlaquant.attention.cpu_decode import error_bound, mla_decode_cpu, pv_kind
+from mlaquant.attention.ops import mla_decode, mla_decode_reference, resolve_backend
 from mlaquant.errors import BackendError
-from mlaquant.int8_proj import grouped_int8_matmul, quantize_grouped
-from mlaquant.ops import mla_decode, mla_decode_reference, resolve_backend
-from mlaquant.session import generate
+from mlaquant.modeling.int8_proj import grouped_int8_matmul, quantize_grouped
+from mlaquant.quant.codecs import LayerCodec
+from mlaquant.runtime.session import generate
 from tests.reference import effective_query
 
 D_C, D_R, H, PAGE = 64, 16, 4, 16
@@ -206,7 +207,7 @@ def test_session_on_fast_path_close_to_reference_and_greedy_equal(tiny_model, pl
 
 
 def test_auto_keeps_many_group_codecs_on_the_reference_without_c_kernels(monkeypatch):
-    from mlaquant.cpu_decode import prefers
+    from mlaquant.attention.cpu_decode import prefers
 
     assert prefers(LayerCodec.from_names("int4-g32", "int4-row", 512, 64), c_kernels=True)  # C: any grouping
     assert prefers(LayerCodec.from_names("int4-row", "int8-row", 512, 64), c_kernels=False)
@@ -214,14 +215,15 @@ def test_auto_keeps_many_group_codecs_on_the_reference_without_c_kernels(monkeyp
     assert not prefers(LayerCodec.from_names("int4-g32", "int4-row", 512, 64), c_kernels=False)  # 16: a GEMM each
     codec = LayerCodec.from_names("int4-g16", "fp16", D_C, D_R)  # 4 groups at this width
     monkeypatch.setattr(ops, "cpu_routing", lambda: INT_MM)
-    monkeypatch.setattr("mlaquant.cpu_decode.FAST_MAX_GROUPS", 2)
+    monkeypatch.setattr("mlaquant.attention.cpu_decode.FAST_MAX_GROUPS", 2)
     monkeypatch.setattr(ops, "CPU_FAST_GROUPED_TOKENS", 1)
     monkeypatch.setattr(ops, "CPU_FAST_MIN_MEAN", 1)
     q, pool, table, lens, _, _ = _cache(codec, [20, 33])
     ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), ref):
         assert torch.equal(a, b)
-    monkeypatch.setattr("mlaquant.cpu_decode.FAST_MAX_GROUPS", 8)  # now auto takes the torch ops (no C kernels)
+    # now auto takes the torch ops (no C kernels)
+    monkeypatch.setattr("mlaquant.attention.cpu_decode.FAST_MAX_GROUPS", 8)
     want = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, c_kernels=False)
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), want):
         assert torch.equal(a, b)

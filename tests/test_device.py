@@ -18,11 +18,11 @@ from mlaquant.calib.data import split_path
 from mlaquant.cli import main
 from mlaquant.device import resolve_device, resolve_dtype
 from mlaquant.errors import DeviceError
-from mlaquant.eval import Evaluator
-from mlaquant.guard import Guard
-from mlaquant.model import hadamard_signs, rope_frequencies
-from mlaquant.plan import LayerPlan, Plan
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.modeling.model import hadamard_signs, rope_frequencies
+from mlaquant.runtime.guard import Guard
+from mlaquant.runtime.plan import LayerPlan, Plan
 
 # BF16 weights against FP32 weights, bundled model, 4 × 128 test-split tokens (measured: max |Δlogit| 0.19 on
 # logits up to 15, mean KL 1.1e-4, top-1 98.8 %): the tolerance stated in the README, with margin.
@@ -176,7 +176,7 @@ def test_runtime_allocates_nothing_on_a_fixed_device(tiny_model):
 
 def test_batch_size_from_free_memory_on_cuda_else_given_or_default(monkeypatch):
     from mlaquant import device as dev
-    from mlaquant.eval import sample_bytes
+    from mlaquant.evaluation.eval import sample_bytes
 
     model = load_model()
     per = sample_bytes(model, 512)

@@ -1,6 +1,6 @@
-"""Engine cache formats (`mlaquant.engine_codecs`): llama.cpp's q8_0 / q4_0 against gguf-py's quantizers (llama.cpp's
-own Python port, bit-exact with ggml-quants.c by its tests), bytes per token against the engines' sizes, and the
-rounding rules that differ between engines (SGLang's FP4 against its own code: tests/test_engines.py)."""
+"""Engine cache formats (`mlaquant.quant.engine_codecs`): llama.cpp's q8_0 / q4_0 against gguf-py's quantizers
+(llama.cpp's own Python port, bit-exact with ggml-quants.c by its tests), bytes per token against the engines' sizes,
+and the rounding rules that differ between engines (SGLang's FP4 against its own code: tests/test_engines.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from mlaquant.codecs import CodecSpec, LayerCodec, RowCodec
-from mlaquant.engine_codecs import e2m1_codes, e2m1_values, pow2_ceil
-from mlaquant.engines import FORMATS
+from mlaquant.integrations.engines import FORMATS
+from mlaquant.quant.codecs import CodecSpec, LayerCodec, RowCodec
+from mlaquant.quant.engine_codecs import e2m1_codes, e2m1_values, pow2_ceil
 
 
 def _rows(n: int = 48, width: int = 160, seed: int = 0) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""The engines' own code, executed (`mlaquant.engine_check` on the released wheels of ENGINE_VERSIONS), against
-the facts mlaquant acts on (`mlaquant.engines`) and what `mlaquant export` writes.
+"""The engines' own code, executed (`mlaquant.integrations.engine_check` on the released wheels of ENGINE_VERSIONS),
+against the facts mlaquant acts on (`mlaquant.integrations.engines`) and what `mlaquant export` writes.
 
 The wheels are fetched with pip into the mlaquant cache (.ci/run fetches them first); without a reachable
 registry and an empty cache these tests skip, saying which wheel could not be fetched.
@@ -12,11 +12,10 @@ import ast
 import pytest
 import torch
 
-from mlaquant import engine_check
 from mlaquant.calib.engines import verify, verify_markdown
-from mlaquant.codecs import CodecSpec, LayerCodec, RowCodec
-from mlaquant.distributions import DistributionError
-from mlaquant.engines import (
+from mlaquant.integrations import engine_check
+from mlaquant.integrations.distributions import DistributionError
+from mlaquant.integrations.engines import (
     ENGINE_VERSIONS,
     FORMATS,
     MLA_KV_METHOD,
@@ -25,6 +24,7 @@ from mlaquant.engines import (
     sglang_serve_command,
     vllm_serve_command,
 )
+from mlaquant.quant.codecs import CodecSpec, LayerCodec, RowCodec
 
 LAYER = 3
 

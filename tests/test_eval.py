@@ -10,9 +10,9 @@ import torch
 
 from mlaquant import load_model
 from mlaquant.calib.data import split_path
-from mlaquant.eval import Evaluator
-from mlaquant.plan import Plan
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.runtime.plan import Plan
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlaquant import export as export_module
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.data import split_path
 from mlaquant.cli import main
-from mlaquant.engines import ENGINE_VERSIONS, sglang_serve_command, vllm_serve_command
 from mlaquant.errors import MLAQuantError, PlanError
-from mlaquant.export import engine_plan
-from mlaquant.loader import load_model
-from mlaquant.plan import LayerPlan, Plan
-from mlaquant.samples import token_samples
-from mlaquant.stream import StreamedEvaluator, StreamedModel
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.integrations import export as export_module
+from mlaquant.integrations.engines import ENGINE_VERSIONS, sglang_serve_command, vllm_serve_command
+from mlaquant.integrations.export import engine_plan
+from mlaquant.modeling.loader import load_model
+from mlaquant.modeling.stream import StreamedEvaluator, StreamedModel
+from mlaquant.runtime.plan import LayerPlan, Plan
 
 D_C, D_R = 32, 8  # kv_lora_rank, rope_dim of conftest.SYNTH_DIMS
 
@@ -158,7 +158,7 @@ def test_unknown_engine_and_all_float_plan_are_one_line(ckpt, fp8_plan, tmp_path
 def _run_export(plan, model, out, **flags):
     from argparse import Namespace
 
-    from mlaquant.export import export
+    from mlaquant.integrations.export import export
 
     args = dict(engine="vllm", map_to_fp8=False, force=False, copy=False, test_data=None, device="auto", dtype="auto")
     paths = dict(plan=str(plan), model=str(model), out=str(out))
@@ -232,7 +232,7 @@ def test_model_defaults_to_the_plans_own_when_its_fingerprint_matches(ckpt, fp8_
 
 def test_e4m3_is_the_unit_scale_fp8_of_the_engines():
     """The engines' fp8 at k_scale 1.0 is mlaquant's static fp8 with scale 1.0 (and unlike a calibrated one)."""
-    from mlaquant.codecs import LayerCodec
+    from mlaquant.quant.codecs import LayerCodec
 
     x = torch.randn(64, D_C + D_R) * 3
     unit = LayerCodec.from_names("fp8", "fp8", D_C, D_R, fp8_scale=1.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlaquant.codecs import (
+from mlaquant.quant.codecs import (
     FP8_MAX,
     CodecError,
     CodecSpec,
@@ -18,7 +18,7 @@ from mlaquant.codecs import (
     bits_per_value,
     fp8_static_scale,
 )
-from mlaquant.plan import LayerPlan, Plan
+from mlaquant.runtime.plan import LayerPlan, Plan
 
 
 def e4m3_grid() -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,9 +7,9 @@ import torch
 from mlaquant import DecodeSession
 from mlaquant.calib.calibrate import max_row_error
 from mlaquant.calib.observers import observe
-from mlaquant.codecs import LayerCodec
-from mlaquant.guard import Guard
-from mlaquant.plan import LayerPlan, Plan
+from mlaquant.quant.codecs import LayerCodec
+from mlaquant.runtime.guard import Guard
+from mlaquant.runtime.plan import LayerPlan, Plan
 
 
 def calibrated_plan(model, codec: str = "int4") -> Plan:
@@ -105,7 +105,7 @@ def test_generate_cli_runs_the_guard(tmp_path, capsys):
     """`mlaquant generate` attaches a Guard (bounds no row can meet widen every layer after prefill);
     `--no-guard` decodes without one."""
     from mlaquant.cli import main
-    from mlaquant.loader import load_model
+    from mlaquant.modeling.loader import load_model
 
     model = load_model()
     n = model.cfg.num_hidden_layers

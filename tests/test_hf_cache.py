@@ -1,4 +1,4 @@
-"""`mlaquant.hf.PlanCache`: transformers' own DeepSeek model over a plan's quantized latent cache.
+"""`mlaquant.integrations.hf.PlanCache`: transformers' own DeepSeek model over a plan's quantized latent cache.
 
 Reference: `DecodeSession` with the same plan — greedy tokens equal for 64 steps; per-step logits within
 LOGIT_ATOL while both caches hold the same codes, within DIVERGED_ATOL after a row was encoded differently
@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from mlaquant.errors import PlanError
-from mlaquant.hf import PlanCache
-from mlaquant.loader import default_model_path, load_model
-from mlaquant.model import hadamard_signs
-from mlaquant.plan import LayerPlan, Plan
-from mlaquant.session import DecodeSession
+from mlaquant.integrations.hf import PlanCache
+from mlaquant.modeling.loader import default_model_path, load_model
+from mlaquant.modeling.model import hadamard_signs
+from mlaquant.runtime.plan import LayerPlan, Plan
+from mlaquant.runtime.session import DecodeSession
 
 STEPS = 64
 LOGIT_ATOL = 1e-4  # same codes in both caches; measured ≤ 1.1e-5

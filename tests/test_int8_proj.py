@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mlaquant import DecodeSession
-from mlaquant.eval import Evaluator, fake_quant_hook
-from mlaquant.int8_proj import Int8Projections, grouped_int8_matmul, quantize_grouped, with_int8_projections
-from mlaquant.plan import Plan
+from mlaquant.evaluation.eval import Evaluator, fake_quant_hook
+from mlaquant.modeling.int8_proj import Int8Projections, grouped_int8_matmul, quantize_grouped, with_int8_projections
+from mlaquant.runtime.plan import Plan
 from tests.reference import int8_gemm_error_bound, int8_gemm_reference
 
 
@@ -112,7 +112,8 @@ def test_unknown_plan_suffix_is_an_error(tiny_model):
 def test_cpu_int8_matmul_every_route_bit_identical_to_fp64_sums(route, shape, monkeypatch):
     """backend "cpu" takes the C kernels where a vector ISA builds, torch._int_mm only where it has VNNI, the FP64
     sums otherwise (issue 29: _int_mm ~10x slower than FP32 on AVX2-only CPUs): every route gives the same bits."""
-    from mlaquant import int8_proj, native, ops
+    from mlaquant.attention import native, ops
+    from mlaquant.modeling import int8_proj
 
     m, g, k, n = shape
     gen = torch.Generator().manual_seed(k + n)

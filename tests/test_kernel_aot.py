@@ -114,8 +114,8 @@ def test_band_at_16_heads_no_slower_than_int4_row(rows, target, device):
 
 @pytest.mark.parametrize("codec", ["int4-row/int4-row", "int8-row/int8-row"])
 def test_at_16_heads_within_70_percent_of_the_hbm_roofline(rows, codec):
-    from mlaquant.codecs import LayerCodec
     from mlaquant.kernels.aot import BATCH, D_C, D_R
+    from mlaquant.quant.codecs import LayerCodec
 
     roofline = BATCH * 32768 * LayerCodec.from_names(*codec.split("/"), D_C, D_R).row_bytes / (H100_PEAK_TB_S * 1e6)
     assert roofline / _us(rows[("sm_90a", codec, 16)]) >= 0.7, (roofline, _us(rows[("sm_90a", codec, 16)]))

@@ -1,4 +1,4 @@
-"""The decode kernel on band c_kv parts (`mlaquant.codecs.BandCodec`: channel bands of 8/4/3/2/0 bits, one FP16
+"""The decode kernel on band c_kv parts (`mlaquant.quant.codecs.BandCodec`: channel bands of 8/4/3/2/0 bits, one FP16
 scale per coded band), under the Triton interpreter, against the torch reference on the same quantized cache:
 bands of every width (8-channel ones, which the kernel pads to 16-wide tiles, 3-bit and 0-bit ones, bands in
 any order), codes at both extremes and negative scales (checked on the bytes), NaN in every free slot,
@@ -17,11 +17,11 @@ import os
 import pytest
 import torch
 
-from mlaquant.codecs import LayerCodec
+from mlaquant.attention.ops import mla_decode as ops_mla_decode
+from mlaquant.attention.ops import mla_decode_reference
 from mlaquant.config import ConfigError
 from mlaquant.errors import BackendError
-from mlaquant.ops import mla_decode as ops_mla_decode
-from mlaquant.ops import mla_decode_reference
+from mlaquant.quant.codecs import LayerCodec
 from tests.closeness import assert_close
 from tests.reference import kernel_reference
 
@@ -197,7 +197,7 @@ def test_segments_of_the_deepseek_allocations(name, programs):
 def test_unaligned_band_layouts_are_refused_and_auto_uses_torch(monkeypatch):
     """An odd number of 3-bit bands of 8 (mod 16) channels gives an odd number of code bytes: the FP16 scales
     and the k_pe part at odd offsets. The kernel refuses them (with the allocation rule), "auto" runs torch."""
-    import mlaquant.ops as ops
+    import mlaquant.attention.ops as ops
 
     codec = LayerCodec.from_names("band-0x16-3x24-4x8-0x16", "int8-row", D_C, D_R)
     assert codec.ckv.layout.code_bytes == 13

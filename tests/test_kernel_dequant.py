@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from mlaquant.codecs import LayerCodec
+from mlaquant.quant.codecs import LayerCodec
 from tests.closeness import assert_close
 from tests.reference import kernel_reference
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mlaquant.codecs import LayerCodec
+from mlaquant.attention.decode_inputs import DecodeInputs
+from mlaquant.attention.ops import mla_decode as ops_mla_decode
+from mlaquant.attention.ops import mla_decode_reference
 from mlaquant.config import ConfigError
-from mlaquant.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
-from mlaquant.ops import mla_decode as ops_mla_decode
-from mlaquant.ops import mla_decode_reference
+from mlaquant.quant.codecs import LayerCodec
 from tests.closeness import assert_close
 from tests.reference import kernel_reference, merge_error_bound, merge_gated_fp16_reference, quantize_query
 
@@ -460,7 +460,7 @@ def test_ops_dispatcher_runs_this_kernel(monkeypatch):
 
 
 def test_auto_sends_codecs_the_kernel_cannot_read_to_torch(monkeypatch):
-    import mlaquant.ops as ops
+    import mlaquant.attention.ops as ops
 
     monkeypatch.setattr(ops, "resolve_backend", lambda backend, device, op="mla_decode": "triton")  # as on CUDA
     q = _query(1, 4, seed=11)
@@ -482,7 +482,7 @@ def test_auto_sends_codecs_the_kernel_cannot_read_to_torch(monkeypatch):
 def test_bench_refuses_without_cuda(monkeypatch):
     import argparse
 
-    from mlaquant.kernels import bench
+    from mlaquant.bench import kernels as bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -498,7 +498,7 @@ def test_bench_refuses_without_cuda(monkeypatch):
 def test_bench_pipeline_runs_every_path_on_cpu():
     """The benchmark's setup, accounting and report on tiny shapes, timed by a stand-in clock (1 ms per call,
     after really running the call once) — the real command refuses on CPU."""
-    from mlaquant.kernels import bench
+    from mlaquant.bench import kernels as bench
 
     calls = []
     clock = bench._Clock(lambda fn: (calls.append(fn()), 1.0)[1], budget_s=600)

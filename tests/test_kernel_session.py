@@ -7,7 +7,7 @@ import os
 import pytest
 
 from mlaquant import load_model
-from mlaquant.session import generate
+from mlaquant.runtime.session import generate
 
 pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":

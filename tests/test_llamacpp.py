@@ -1,4 +1,4 @@
-"""llama.cpp as a peer engine on the bundled model (`mlaquant.llamacpp`).
+"""llama.cpp as a peer engine on the bundled model (`mlaquant.integrations.llamacpp`).
 
 Tier 1: the padded checkpoint is the same function as the original (exact, mlaquant only); llama.cpp with an
 f16 latent cache reproduces mlaquant's FP16-cache mean NLL. Tier 3: llama.cpp's q8_0 / q4_0 caches cost a
@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
-from mlaquant import llamacpp
 from mlaquant.calib.data import split_path
 from mlaquant.errors import MLAQuantError
-from mlaquant.eval import Evaluator
-from mlaquant.loader import default_model_path, load_model
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.integrations import llamacpp
+from mlaquant.modeling.loader import default_model_path, load_model
 
 # Measured on 2 × 256 test tokens (seed 0), x86 AVX2, llama-cpp-python 0.3.36: f16 − mlaquant FP16 = −6.4e-6,
 # q8_0 − f16 = +3.1e-5, q4_0 − f16 = +8.1e-3 (8 × 512: +1.2e-6, +1.0e-4, +1.2e-2). Limits with margin.

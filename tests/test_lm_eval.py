@@ -1,4 +1,4 @@
-"""lm-evaluation-harness model `mlaquant` (mlaquant.harness): local tasks end to end, offline, checked
+"""lm-evaluation-harness model `mlaquant` (mlaquant.integrations.harness): local tasks end to end, offline, checked
 against `DecodeSession` on the same strings."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mlaquant.errors import MLAQuantError
-from mlaquant.harness import MLAQuantLM, main
-from mlaquant.loader import load_model
-from mlaquant.session import DecodeSession, generate
+from mlaquant.integrations.harness import MLAQuantLM, main
+from mlaquant.modeling.loader import load_model
+from mlaquant.runtime.session import DecodeSession, generate
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"  # three YAML tasks over mlaquant_code.jsonl (4 docs)
 PLAN = "int8"

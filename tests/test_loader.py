@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from mlaquant import load_model
 from mlaquant.errors import CheckpointError
-from mlaquant.loader import dequantize_fp8_blocks
+from mlaquant.modeling.loader import dequantize_fp8_blocks
 
 
 def test_sharded_checkpoint_loads_identically(make_checkpoint, tmp_path):
@@ -70,7 +70,7 @@ def test_misshaped_rope_permuted_tensor_is_one_line(make_checkpoint, name, shape
     expected = rf"'{name}' has shape \({', '.join(map(str, shape))},?\), expected \({good_shape[0]}, {good_shape[1]}\)"
     with pytest.raises(CheckpointError, match=expected):
         load_model(path)
-    from mlaquant.stream import StreamedModel
+    from mlaquant.modeling.stream import StreamedModel
 
     with pytest.raises(CheckpointError, match=expected):
         StreamedModel(path).load_layer(int(name.split(".")[2]))
@@ -159,7 +159,7 @@ def test_bundled_config_spells_out_v3_routing_for_other_engines():
     mlaquant and transformers compute with."""
     from transformers import AutoConfig
 
-    from mlaquant.loader import default_model_path
+    from mlaquant.modeling.loader import default_model_path
 
     raw = json.loads((default_model_path() / "config.json").read_text())
     assert raw["scoring_func"] == "sigmoid" and raw["topk_method"] == "noaux_tc"

@@ -1,7 +1,8 @@
-"""The C helper (`mlaquant.native`): the int4 unpack against the torch ops it replaces, the fast path bit-identical
-with and without it; the choice of ISA variant (CPU features capped by torch's capability, MLAQUANT_NATIVE_ISA,
-a clear error for a variant the CPU cannot run); the fast path bit-identical under every variant the CPU runs;
-the fallbacks (disabled, no compiler, a failing build). tests/test_native_kernels.py checks each kernel."""
+"""The C helper (`mlaquant.attention.native`): the int4 unpack against the torch ops it replaces, the fast path
+bit-identical with and without it; the choice of ISA variant (CPU features capped by torch's capability,
+MLAQUANT_NATIVE_ISA, a clear error for a variant the CPU cannot run); the fast path bit-identical under every variant
+the CPU runs; the fallbacks (disabled, no compiler, a failing build). tests/test_native_kernels.py checks each
+kernel."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import shutil
 import pytest
 import torch
 
-from mlaquant import native
-from mlaquant.codecs import LayerCodec
-from mlaquant.cpu_decode import mla_decode_cpu, unpack_nibbles
+from mlaquant.attention import native
+from mlaquant.attention.cpu_decode import mla_decode_cpu, unpack_nibbles
 from mlaquant.errors import BackendError
+from mlaquant.quant.codecs import LayerCodec
 from tests.test_cpu_decode import D_C, D_R, LENS, SCALE, _cache
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch ops run instead")
@@ -137,7 +138,7 @@ def test_fast_path_bit_identical_under_every_isa_variant(names, fresh_native_bui
 def test_w8a8_bit_identical_to_the_fp64_route_under_every_isa_variant(shape, fresh_native_build):
     """`Kernels.w8a8` (activation codes, INT32 sums, epilogue in C) against grouped_int8_matmul's torch route, each
     variant this CPU runs forced in turn, with rows that need a rounding tie and an all-zero row."""
-    from mlaquant.int8_proj import grouped_int8_matmul, quantize_grouped
+    from mlaquant.modeling.int8_proj import grouped_int8_matmul, quantize_grouped
 
     m, g, k, n = shape
     gen = torch.Generator().manual_seed(k * n)

@@ -1,7 +1,7 @@
-"""The C integer kernels (`mlaquant.native`, mlaquant/csrc/decode_kernels.c), every ISA variant forced in turn,
-against torch references computed independently: exact integer sums (float64 matmuls of the decoded codes, exact
-below 2^53) and, for the fused FP32 epilogues, torch performing the same FP32 operations in the same order (so the
-same bits). Rows strided and paged, widths with tails, codes -128 / -8 present, negative scales.
+"""The C integer kernels (`mlaquant.attention.native`, mlaquant/attention/csrc/decode_kernels.c), every ISA variant
+forced in turn, against torch references computed independently: exact integer sums (float64 matmuls of the decoded
+codes, exact below 2^53) and, for the fused FP32 epilogues, torch performing the same FP32 operations in the same order
+(so the same bits). Rows strided and paged, widths with tails, codes -128 / -8 present, negative scales.
 
 The avxvnni variant needs a CPU with AVX-VNNI (Intel Alder Lake and later, AMD Zen 5); it is skipped elsewhere
 (AMD Zen 4, for one, has AVX-512 VNNI but not AVX-VNNI), and so is avx512vnni on CPUs without AVX-512 VNNI."""
@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
-from mlaquant import native
-from mlaquant.codecs import CodecSpec, RowCodec
+from mlaquant.attention import native
+from mlaquant.quant.codecs import CodecSpec, RowCodec
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch ops run instead")
 

@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from mlaquant.codecs import LayerCodec
+from mlaquant.attention.ops import Backend, Scratch, mla_decode, mla_decode_reference, resolve_backend
 from mlaquant.errors import BackendError
-from mlaquant.ops import Backend, Scratch, mla_decode, mla_decode_reference, resolve_backend
+from mlaquant.quant.codecs import LayerCodec
 
 D_C, D_R, H, BLOCK = 64, 16, 4, 16
 SCALE = 0.17

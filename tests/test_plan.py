@@ -7,7 +7,7 @@ import torch
 
 from mlaquant import DecodeSession
 from mlaquant.errors import PlanError
-from mlaquant.plan import LayerPlan, Plan
+from mlaquant.runtime.plan import LayerPlan, Plan
 
 
 def make_plan(model) -> Plan:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mlaquant import DecodeSession
-from mlaquant.codecs import LayerCodec
-from mlaquant.eval import fake_quant_hook
-from mlaquant.session import generate
+from mlaquant.evaluation.eval import fake_quant_hook
+from mlaquant.quant.codecs import LayerCodec
+from mlaquant.runtime.session import generate
 
 PLANS = ["int8", "int4", "int4-g32-asym/int8-row", "int4-row/fp16", "int4+w5", "int8-row/int4+w9"]
 

@@ -10,9 +10,9 @@ from mlaquant import DecodeSession
 from mlaquant.calib.calibrate import CalibrateConfig, LayerVariants, best_variant
 from mlaquant.calib.observers import LatentStats
 from mlaquant.errors import PlanError
-from mlaquant.eval import fake_quant_hook
-from mlaquant.model import hadamard_signs, latent_rotation, with_latent_rotation
-from mlaquant.plan import LayerPlan, Plan
+from mlaquant.evaluation.eval import fake_quant_hook
+from mlaquant.modeling.model import hadamard_signs, latent_rotation, with_latent_rotation
+from mlaquant.runtime.plan import LayerPlan, Plan
 
 
 def _dims(model):

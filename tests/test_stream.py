@@ -1,6 +1,6 @@
 """Layer-streamed execution (`calibrate --stream`): bit-identical to the full-load run, one layer resident.
 
-Checkpoints come from scripts/make_synthetic_checkpoint.py with tiny dimensions (multi-shard, MoE
+Checkpoints come from mlaquant.modeling.synthetic with tiny dimensions (multi-shard, MoE
 layers with per-expert tensors, interleaved RoPE), in BF16 and in FP8 with 128×128 block scales.
 """
 
@@ -20,11 +20,11 @@ from mlaquant.calib.observers import observe, observe_streamed
 from mlaquant.cli import main
 from mlaquant.config import load_config
 from mlaquant.errors import CheckpointError
-from mlaquant.eval import Evaluator
-from mlaquant.loader import load_model
-from mlaquant.model import hadamard_signs, latent_rotation, with_latent_rotation
-from mlaquant.plan import Plan
-from mlaquant.stream import StreamedEvaluator, StreamedModel
+from mlaquant.evaluation.eval import Evaluator
+from mlaquant.modeling.loader import load_model
+from mlaquant.modeling.model import hadamard_signs, latent_rotation, with_latent_rotation
+from mlaquant.modeling.stream import StreamedEvaluator, StreamedModel
+from mlaquant.runtime.plan import Plan
 
 LAYERS = 4
 CALIBRATE_YAML = "samples: 8\nseq_len: 32\nval_samples: 4\ntest_samples: 4\nbatch_size: 3\n"

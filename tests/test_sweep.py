@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from mlaquant import cli
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.sweep import SweepRun, load_sweep_config, sweep
-from mlaquant.eval import Evaluator
-from mlaquant.loader import load_model
-from mlaquant.plan import Plan
-from mlaquant.report import dominates, pareto_front, target_verdict, write_report
-from mlaquant.samples import token_samples
+from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.report import dominates, pareto_front, target_verdict, write_report
+from mlaquant.evaluation.samples import token_samples
+from mlaquant.modeling.loader import load_model
+from mlaquant.runtime.plan import Plan
 
 WORDS = [
     "def",
@@ -89,7 +89,8 @@ def setup(tiny_model, tmp_path_factory):
     cfg = load_sweep_config(None, CFG)
     with pytest.MonkeyPatch.context() as mp:
         # an uninstallable backend: its row must say why instead of disappearing
-        mp.setitem(__import__("mlaquant.peers").peers.BACKEND_PACKAGE, "hqq", ("no_such_hqq", "no-such-hqq"))
+        mp.setitem(__import__("mlaquant.evaluation.peers").evaluation.peers.BACKEND_PACKAGE, "hqq",
+                   ("no_such_hqq", "no-such-hqq"))
         report = sweep(model, cfg, root / "out", root / "test.txt", [str(root / "plan-1pct")], quiet=True)
     samples = token_samples(model.tokenizer, root / "test.txt", 4, 32, 0, model.cfg.eos_token_id)
     return {"root": root, "model": model, "cfg": cfg, "report": report, "samples": samples}
@@ -112,7 +113,7 @@ def test_json_rows_equal_direct_recomputation(setup):
     assert rows == rows_by_id(report)
     ev = Evaluator(model, samples, batch_size=4)  # other batching than the sweep's
     d_c, d_r, n = 32, 8, 3
-    # bytes by hand from the layouts in mlaquant.codecs: d_c = 32, d_r = 8
+    # bytes by hand from the layouts in mlaquant.quant.codecs: d_c = 32, d_r = 8
     expected_bytes = {
         "fp16": 80,
         "int8": 32 + 2 + 8 + 2,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlaquant import train as train_mod
 from mlaquant.atomic import recover_directory
+from mlaquant.bundled import train as train_mod
 from mlaquant.cli import main as cli_main
 from mlaquant.errors import MLAQuantError
 

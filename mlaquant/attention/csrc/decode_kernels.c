@@ -1,0 +1,1095 @@
+/* Integer kernels of mlaquant's fast CPU decode path and W8A8 projections, on the stored codes.
+ * mlaquant/attention/native.py builds this one file once per ISA variant (-DMLAQ_ISA=0 scalar, 1 avx2, 2 avx512vnni,
+ * 3 avxvnni; always with -ffp-contract=off) and calls it through ctypes; mlaquant/attention/cpu_decode.py states the
+ * formulas and their error bound.
+ *
+ * Codes as they enter a dot (c'): int8 sym q (stored int8), int8 asym q - 128 (stored uint8), int4 sym nibble - 8,
+ * int4 asym nibble (channel 2j in the low nibble of byte j). A part's bytes: codes, then one FP16 scale per group at
+ * scale_off, then (asym) one FP16 zero point per group at zero_off. Rows: row t of a block is at
+ * base + (pages ? pages[t / page_rows] * page_rows + t % page_rows : t) * stride (a paged pool read in place).
+ *
+ *   mlaq_dots    c[b][m][n] = sum_k a[b][m][k] * c'(row n of batch b, k): exact INT32 (wrapping arithmetic, so any
+ *                result that fits in int32 is exact whatever the order)
+ *   mlaq_scores  out[h][t] (+)= sum over 1-2 parts, sum_g (qs[h][g] * s[t][g]) * dot_g + (asym) (sum_g q8 *
+ *                qs[h][g]) * zp[t][g], parts and groups in order; zp = lo + 128 s (int8 asym) or lo (int4 asym)
+ *   mlaq_pv      acc[h][c] (* alpha) += (float)(M_g / 32767 * S[h][c]) + z[h][g], S = sum_t P_g[h][t] * c' exact
+ *                (INT32 per <= 256-token chunk, |P| <= 32767, |c'| <= 128; chunks summed in FP64, exact below 2^53),
+ *                P_g[h][t] = rint(p[h][t] * (s[t][g] * (32767 / M_g))), M_g = max_t |s[t][g]|, z = sum_t p * zp in a
+ *                fixed 8-lane order; or from a block's scores with the online-softmax step inside: m = max(m_run,
+ *                block max from mlaq_scores), p = exp2(x - m) (`exp2_scalar`: same FP32 ops in every variant),
+ *                acc and l_run rescaled by exp2(m_run - m), l_run += sum_t p (8-lane order)
+ *
+ * Every variant performs the same FP32 / FP64 operations in the same order (lane-wise, vectors over tokens or
+ * channels, never across a reduction), so all of them give the same bits; the integer sums are exact in all.
+ * Vector forms: avx2 sign-extends int8 codes to int16 for _mm256_madd_epi16 (maddubs would saturate on u8 x s8
+ * pairs of offset codes, and the sign trick breaks on code -128) and runs int4 codes through _mm256_maddubs_epi16 as
+ * unsigned nibbles (at most 2 * 15 * 128 per pair, no saturation); the VNNI forms run vpdpbusd on u8 codes (int8:
+ * the byte XOR 0x80, then -128 * sum a) and vpdpwssd for P.V (avx512vnni: zmm, P as an embedded broadcast, 16 heads
+ * per B load; its VNNI instructions as inline asm, which keeps accumulators in registers where GCC 12 copies them
+ * around the builtins). Hot loops are small non-inlined functions specialized by code kind and tile shape.
+ * Threads: OpenMP, `threads` of them (the runtime torch uses). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define MLAQ_SCALAR 0
+#define MLAQ_AVX2 1
+#define MLAQ_AVX512VNNI 2
+#define MLAQ_AVXVNNI 3
+#ifndef MLAQ_ISA
+#define MLAQ_ISA MLAQ_SCALAR
+#endif
+#define VECTOR (MLAQ_ISA != MLAQ_SCALAR)
+#define VNNI (MLAQ_ISA == MLAQ_AVX512VNNI || MLAQ_ISA == MLAQ_AVXVNNI)
+
+#if VECTOR
+#include <immintrin.h>
+#endif
+#if MLAQ_ISA == MLAQ_AVX512VNNI
+static inline __attribute__((always_inline)) __m256i dpbusd_y(__m256i acc, __m256i u, __m256i s) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+    return acc;
+}
+static inline __attribute__((always_inline)) __m256i dpwssd_y(__m256i acc, __m256i a, __m256i b) {
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+/* acc += b . (the int32 at p in every lane), the broadcast folded into the instruction */
+static inline __attribute__((always_inline)) __m512i dpwssd_z_bcast(__m512i acc, __m512i b, const int32_t *p) {
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(b), "m"(*p));
+    return acc;
+}
+#endif
+#if MLAQ_ISA == MLAQ_AVX512VNNI
+/* inline asm: the accumulator stays in its register (GCC copies it around the VNNI builtins in every iteration) */
+#define DPBUSD(acc, u, s) dpbusd_y(acc, u, s)
+#define DPWSSD(acc, a, b) dpwssd_y(acc, a, b)
+#ifndef DOT_NT
+#define DOT_NT 4 /* rows per dot tile: 16 accumulators of the 32 ymm registers */
+#endif
+#ifndef PV_MT
+#define PV_MT 16 /* heads per P.V tile (zmm) */
+#endif
+#elif MLAQ_ISA == MLAQ_AVXVNNI
+#define DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#endif
+#ifndef DOT_NT
+#define DOT_NT 2
+#endif
+#ifndef PV_MT
+#define PV_MT 4
+#endif
+#define DOT_MT 4     /* a rows (heads) per dot tile */
+#define CH 32        /* channels per dot chunk (a chunk never crosses a group; the last one of a group may be short) */
+#define TT 64        /* tokens per scores tile */
+#define SLAB 16      /* channels per P.V slab */
+#ifndef PV_CHUNK
+#define PV_CHUNK 256 /* tokens per INT32 P.V sum: 256 * 32767 * 128 < 2^31 */
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+enum { I8_SYM = 0, I8_ASYM = 1, I4_SYM = 2, I4_ASYM = 3 };
+#define IS_INT4(kind) ((kind) >= I4_SYM)
+#define IS_ASYM(kind) ((kind) == I8_ASYM || (kind) == I4_ASYM)
+
+int mlaq_isa(void) { return MLAQ_ISA; }
+
+/* Bit i set where the CPU (and OS) supports feature i: 0 avx2, 1 fma, 2 f16c, 3 avx512f, 4 avx512bw, 5 avx512vl,
+ * 6 avx512vnni, 7 avxvnni. Built into every variant; native.py asks the scalar one. */
+unsigned mlaq_cpu_features(void) {
+    unsigned f = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    f |= (unsigned)(__builtin_cpu_supports("avx2") != 0) << 0;
+    f |= (unsigned)(__builtin_cpu_supports("fma") != 0) << 1;
+    f |= (unsigned)(__builtin_cpu_supports("f16c") != 0) << 2;
+    f |= (unsigned)(__builtin_cpu_supports("avx512f") != 0) << 3;
+    f |= (unsigned)(__builtin_cpu_supports("avx512bw") != 0) << 4;
+    f |= (unsigned)(__builtin_cpu_supports("avx512vl") != 0) << 5;
+    f |= (unsigned)(__builtin_cpu_supports("avx512vnni") != 0) << 6;
+    f |= (unsigned)(__builtin_cpu_supports("avxvnni") != 0) << 7;
+#endif
+    return f;
+}
+
+typedef struct {
+    int kind;
+    int64_t width, gs, groups, nch; /* channels, group size, groups, CH-channel chunks per group */
+    int64_t scale_off, zero_off;    /* bytes from the row's start */
+} part_t;
+
+static part_t make_part(int kind, int64_t width, int64_t gs, int64_t scale_off, int64_t zero_off) {
+    part_t p = {kind, width, gs, width / gs, (gs + CH - 1) / CH, scale_off, zero_off};
+    return p;
+}
+
+/* rows[i] = row t0 + i for i < n: one division, then page by page. */
+static void rows_from(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64_t stride, int64_t t0,
+                      int64_t n, const uint8_t **rows) {
+    if (!pages) {
+        for (int64_t i = 0; i < n; i++) rows[i] = base + (t0 + i) * stride;
+        return;
+    }
+    int64_t page = t0 / page_rows, slot = t0 % page_rows;
+    const uint8_t *at = base + (pages[page] * page_rows + slot) * stride;
+    for (int64_t i = 0; i < n; i++) {
+        rows[i] = at;
+        at += stride;
+        if (++slot == page_rows && i + 1 < n) {
+            slot = 0;
+            at = base + pages[++page] * page_rows * stride;
+        }
+    }
+}
+
+static void *alloc(size_t bytes) { /* 64-byte aligned, at least 64 bytes */
+    return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+}
+
+static inline int32_t code_at(const uint8_t *codes, int kind, int64_t c) {
+    switch (kind) {
+    case I8_SYM: return (int8_t)codes[c];
+    case I8_ASYM: return (int32_t)codes[c] - 128;
+    case I4_SYM: return (int32_t)((codes[c >> 1] >> ((c & 1) * 4)) & 15) - 8;
+    default: return (codes[c >> 1] >> ((c & 1) * 4)) & 15;
+    }
+}
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if VECTOR
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 31u, m = h & 1023u, bits;
+    if (e == 0 && m == 0) {
+        bits = sign;
+    } else if (e == 0) { /* subnormal: m * 2^-24 */
+        uint32_t shift = 0;
+        while (!(m & 1024u)) {
+            m <<= 1;
+            shift++;
+        }
+        bits = sign | ((113u - shift) << 23) | ((m & 1023u) << 13);
+    } else if (e == 31) {
+        bits = sign | 0x7F800000u | (m << 13);
+    } else {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* s[g * ld], z[g * ld] (asym: lo + 128 s for int8, lo for int4) of one row. */
+static inline void load_params(const part_t *p, const uint8_t *row, float *s, float *z, int64_t ld) {
+    for (int64_t g = 0; g < p->groups; g++) {
+        float sv = half_to_float(row + p->scale_off + 2 * g);
+        s[g * ld] = sv;
+        if (IS_ASYM(p->kind)) {
+            float lo = half_to_float(row + p->zero_off + 2 * g);
+            z[g * ld] = p->kind == I8_ASYM ? lo + 128.0f * sv : lo;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- dots of a rows with code rows, per group */
+
+#if VECTOR
+/* A for the vector dot loops: per a row m, group g and chunk j, CH entries (int4 kinds: the chunk's even channels
+ * in 0..15 and odd ones in 16..31, the order the nibbles come in; zeros past the chunk's width), int16 for the avx2
+ * int8 kinds (sign-extended codes, madd), else int8. Returns the entry size; sums[m * G + g] = sum of a. */
+static int prep_a(const int8_t *a, int64_t lda, int64_t rows, const part_t *p, void *out, int32_t *sums) {
+    int wide = MLAQ_ISA == MLAQ_AVX2 && !IS_INT4(p->kind);
+    int64_t G = p->groups;
+    for (int64_t m = 0; m < rows; m++) {
+        for (int64_t g = 0; g < G; g++) {
+            int32_t sum = 0;
+            for (int64_t j = 0; j < p->nch; j++) {
+                int64_t at = ((m * G + g) * p->nch + j) * CH, c0 = g * p->gs + j * CH;
+                int64_t w = p->gs - j * CH < CH ? p->gs - j * CH : CH;
+                int16_t vals[CH] = {0};
+                for (int64_t i = 0; i < w; i++) {
+                    int8_t v = a[m * lda + c0 + i];
+                    sum += v;
+                    vals[IS_INT4(p->kind) ? ((i & 1) ? CH / 2 + i / 2 : i / 2) : i] = v;
+                }
+                for (int i = 0; i < CH; i++) {
+                    if (wide) ((int16_t *)out)[at + i] = vals[i];
+                    else ((int8_t *)out)[at + i] = (int8_t)vals[i];
+                }
+            }
+            sums[m * G + g] = sum;
+        }
+    }
+    return wide ? 2 : 1;
+}
+
+INLINE __m128i load16(const uint8_t *p, int64_t n) { /* n <= 16 bytes, zeros after */
+    if (n == 16) return _mm_loadu_si128((const __m128i *)p);
+    if (n == 8) return _mm_loadl_epi64((const __m128i *)p);
+    uint8_t tmp[16] = {0};
+    memcpy(tmp, p, (size_t)n);
+    return _mm_loadu_si128((const __m128i *)tmp);
+}
+
+INLINE __m256i load32(const uint8_t *p, int64_t n) { /* n <= 32 bytes, zeros after */
+    if (n == 32) return _mm256_loadu_si256((const __m256i *)p);
+    if (n <= 16) return _mm256_zextsi128_si256(load16(p, n));
+    return _mm256_set_m128i(load16(p + 16, n - 16), _mm_loadu_si128((const __m128i *)p));
+}
+
+INLINE __m256i nibbles(const uint8_t *p, int64_t nbytes) { /* [low nibbles | high nibbles] of nbytes <= 16 */
+    __m128i x = load16(p, nbytes), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
+}
+
+INLINE int32_t hsum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+INLINE __m256i hsum8(const __m256i *v) { /* the 8 sums of v[0..7] */
+    __m256i s01 = _mm256_hadd_epi32(v[0], v[1]), s23 = _mm256_hadd_epi32(v[2], v[3]);
+    __m256i s45 = _mm256_hadd_epi32(v[4], v[5]), s67 = _mm256_hadd_epi32(v[6], v[7]);
+    __m256i a = _mm256_hadd_epi32(s01, s23), b = _mm256_hadd_epi32(s45, s67);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* acc[mi][ni] += the (uncorrected) dots of chunk j (w channels) of code rows r[ni] with A rows am + mi * astep. */
+INLINE void chunk_dots(int kind, const uint8_t *am, int64_t astep, const uint8_t *const *r, int64_t j, int64_t w,
+                       const int mt, const int nt, __m256i acc[DOT_MT][DOT_NT]) {
+#if VNNI
+    __m256i u[DOT_NT];
+    _Pragma("GCC unroll 16")
+    for (int ni = 0; ni < nt; ni++) {
+        if (IS_INT4(kind)) u[ni] = nibbles(r[ni] + j * CH / 2, w / 2);
+        else if (kind == I8_SYM) u[ni] = _mm256_xor_si256(load32(r[ni] + j * CH, w), _mm256_set1_epi8((char)0x80));
+        else u[ni] = load32(r[ni] + j * CH, w);
+    }
+    _Pragma("GCC unroll 16")
+    for (int mi = 0; mi < mt; mi++) {
+        __m256i a = _mm256_load_si256((const __m256i *)(am + mi * astep));
+        _Pragma("GCC unroll 16")
+        for (int ni = 0; ni < nt; ni++) acc[mi][ni] = DPBUSD(acc[mi][ni], u[ni], a);
+    }
+#else
+    if (IS_INT4(kind)) { /* unsigned nibbles x int8 a: maddubs pairs <= 2 * 15 * 128, no saturation */
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i u[DOT_NT];
+        _Pragma("GCC unroll 16")
+        for (int ni = 0; ni < nt; ni++) u[ni] = nibbles(r[ni] + j * CH / 2, w / 2);
+        _Pragma("GCC unroll 16")
+        for (int mi = 0; mi < mt; mi++) {
+            __m256i a = _mm256_load_si256((const __m256i *)(am + mi * astep));
+            _Pragma("GCC unroll 16")
+            for (int ni = 0; ni < nt; ni++)
+                acc[mi][ni] = _mm256_add_epi32(acc[mi][ni], _mm256_madd_epi16(_mm256_maddubs_epi16(u[ni], a), ones));
+        }
+        return;
+    }
+    /* int8 codes sign-extended to int16, 16 channels at a time (registers: 8 accumulators + 2 rows) */
+    for (int half = 0; half < 2 && 16 * half < w; half++) {
+        int64_t wh = w - 16 * half < 16 ? w - 16 * half : 16;
+        __m256i x[DOT_NT];
+        _Pragma("GCC unroll 16")
+        for (int ni = 0; ni < nt; ni++) {
+            __m128i b = load16(r[ni] + j * CH + 16 * half, wh);
+            if (kind == I8_ASYM) b = _mm_xor_si128(b, _mm_set1_epi8((char)0x80));
+            x[ni] = _mm256_cvtepi8_epi16(b);
+        }
+        _Pragma("GCC unroll 16")
+        for (int mi = 0; mi < mt; mi++) {
+            __m256i a = _mm256_load_si256((const __m256i *)(am + mi * astep + 32 * half));
+            _Pragma("GCC unroll 16")
+            for (int ni = 0; ni < nt; ni++) acc[mi][ni] = _mm256_add_epi32(acc[mi][ni], _mm256_madd_epi16(x[ni], a));
+        }
+    }
+#endif
+}
+
+/* out[mi * ld_m + ni] = dot of a rows m0 + mi (ap: A of row m0, rows astride entries apart) with code rows rows[ni]
+ * over group g, less corr[mi * cstride] (wrapping); mt <= DOT_MT, nt <= DOT_NT (constants after inlining). */
+INLINE void tile_dots(const part_t *p, const int kind, const uint8_t *ap, int64_t astride, int esize, int64_t g,
+                      const uint8_t *const *rows, const int mt, const int nt, const uint32_t *corr, int64_t cstride,
+                      int32_t *out, int64_t ld_m) {
+    __m256i acc[DOT_MT][DOT_NT];
+    _Pragma("GCC unroll 16")
+    for (int mi = 0; mi < mt; mi++)
+        _Pragma("GCC unroll 16")
+        for (int ni = 0; ni < nt; ni++) acc[mi][ni] = _mm256_setzero_si256();
+    const int64_t full = p->gs / CH, tail = p->gs % CH;
+    const uint8_t *a0 = ap + g * p->nch * CH * esize, *r[DOT_NT];
+    _Pragma("GCC unroll 16")
+    for (int ni = 0; ni < nt; ni++) r[ni] = rows[ni] + (IS_INT4(kind) ? g * p->gs / 2 : g * p->gs);
+    /* full chunks at a constant width (the loads' branches fold away), then the group's short tail chunk */
+    for (int64_t j = 0; j < full; j++) chunk_dots(kind, a0 + j * CH * esize, astride * esize, r, j, CH, mt, nt, acc);
+    if (tail) chunk_dots(kind, a0 + full * CH * esize, astride * esize, r, full, tail, mt, nt, acc);
+    if (mt * nt == 8 || mt * nt == 16) { /* 8 sums per vector, lanes mi * nt + ni; nt = 2 or 4 */
+        __m256i flat[16];
+        _Pragma("GCC unroll 16")
+        for (int mi = 0; mi < mt; mi++)
+            _Pragma("GCC unroll 16")
+            for (int ni = 0; ni < nt; ni++) flat[mi * nt + ni] = acc[mi][ni];
+        _Pragma("GCC unroll 16")
+        for (int v = 0; v < mt * nt / 8; v++) {
+            int m = v * 8 / nt; /* each lane's correction built in registers (no store-forwarding stall) */
+            __m256i cv;
+            if (nt == 4) {
+                cv = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi32((int)corr[m * cstride])),
+                                             _mm_set1_epi32((int)corr[(m + 1) * cstride]), 1);
+            } else {
+                int c0 = (int)corr[0], c1 = (int)corr[cstride], c2 = (int)corr[2 * cstride], c3 = (int)corr[3 * cstride];
+                cv = _mm256_setr_epi32(c0, c0, c1, c1, c2, c2, c3, c3);
+            }
+            __m256i sums = _mm256_sub_epi32(hsum8(flat + 8 * v), cv);
+            __m128i lo = _mm256_castsi256_si128(sums), hi = _mm256_extracti128_si256(sums, 1);
+            if (nt == 4) {
+                _mm_storeu_si128((__m128i *)(out + m * ld_m), lo);
+                _mm_storeu_si128((__m128i *)(out + (m + 1) * ld_m), hi);
+            } else {
+                _mm_storel_epi64((__m128i *)(out + m * ld_m), lo);
+                _mm_storel_epi64((__m128i *)(out + (m + 1) * ld_m), _mm_unpackhi_epi64(lo, lo));
+                _mm_storel_epi64((__m128i *)(out + (m + 2) * ld_m), hi);
+                _mm_storel_epi64((__m128i *)(out + (m + 3) * ld_m), _mm_unpackhi_epi64(hi, hi));
+            }
+        }
+    } else {
+        _Pragma("GCC unroll 16")
+        for (int mi = 0; mi < mt; mi++)
+            _Pragma("GCC unroll 16")
+            for (int ni = 0; ni < nt; ni++)
+                out[mi * ld_m + ni] = (int32_t)((uint32_t)hsum(acc[mi][ni]) - corr[mi * cstride]);
+    }
+}
+
+/* The bias the vector sums carry: VNNI int8 sums u8 = c' + 128 (-128 sum a), int4 sym sums nibbles = c' + 8. */
+static void corrections(const part_t *p, const int32_t *sums, int64_t n, uint32_t *corr) {
+    uint32_t k = (VNNI && !IS_INT4(p->kind)) ? 128u : p->kind == I4_SYM ? 8u : 0u;
+    for (int64_t i = 0; i < n; i++) corr[i] = k * (uint32_t)sums[i];
+}
+
+/* out[g * ld_g + m * ld_m + ni] for every group g and a row m (rows of m_rows, A at ap) with the code rows
+ * rows[0..nt): the head tiles and groups of one row tile in one call, the kind and nt constants inside. */
+INLINE void rows_dots(const part_t *p, const int kind, const uint8_t *ap, int esize, const uint32_t *corr,
+                      int64_t m_rows, const uint8_t *const *rows, const int nt, int32_t *out, int64_t ld_g,
+                      int64_t ld_m) {
+    const int64_t astride = p->groups * p->nch * CH;
+    for (int64_t g = 0; g < p->groups; g++)
+        for (int64_t m0 = 0; m0 < m_rows; m0 += DOT_MT) {
+            const uint8_t *am = ap + m0 * astride * esize;
+            const uint32_t *cg = corr + m0 * p->groups + g;
+            int32_t *og = out + g * ld_g + m0 * ld_m;
+            int64_t mt = m_rows - m0;
+            if (mt >= 4) tile_dots(p, kind, am, astride, esize, g, rows, 4, nt, cg, p->groups, og, ld_m);
+            else if (mt == 3) tile_dots(p, kind, am, astride, esize, g, rows, 3, nt, cg, p->groups, og, ld_m);
+            else if (mt == 2) tile_dots(p, kind, am, astride, esize, g, rows, 2, nt, cg, p->groups, og, ld_m);
+            else tile_dots(p, kind, am, astride, esize, g, rows, 1, nt, cg, p->groups, og, ld_m);
+        }
+}
+
+/* rows_dots of one kind and tile width, as a function of its own (its accumulators then stay in registers) */
+#define ROWS_FN(KIND, NT) ROWS_FN_(KIND, NT) /* (expands DOT_NT before pasting) */
+#define ROWS_FN_(KIND, NT)                                                                                        \
+    static __attribute__((noinline)) void rows_##KIND##_##NT(const part_t *p, const uint8_t *ap, int esize,      \
+                                                              const uint32_t *corr, int64_t m_rows,               \
+                                                              const uint8_t *const *rows, int32_t *out,           \
+                                                              int64_t ld_g, int64_t ld_m) {                       \
+        rows_dots(p, KIND, ap, esize, corr, m_rows, rows, NT, out, ld_g, ld_m);                                   \
+    }
+ROWS_FN(I8_SYM, DOT_NT)
+ROWS_FN(I8_ASYM, DOT_NT)
+ROWS_FN(I4_SYM, DOT_NT)
+ROWS_FN(I4_ASYM, DOT_NT)
+ROWS_FN(I8_SYM, 1)
+ROWS_FN(I8_ASYM, 1)
+ROWS_FN(I4_SYM, 1)
+ROWS_FN(I4_ASYM, 1)
+
+INLINE void dots_rows_vec(const part_t *p, const uint8_t *ap, int esize, const uint32_t *corr, int64_t m_rows,
+                          const uint8_t *const *rows, int nt, int32_t *out, int64_t ld_g, int64_t ld_m) {
+#define ROWS_CALL(NT, R, O)                                                                                       \
+    switch (p->kind) {                                                                                            \
+    case I8_SYM: rows_I8_SYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m); break;                           \
+    case I8_ASYM: rows_I8_ASYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m); break;                         \
+    case I4_SYM: rows_I4_SYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m); break;                           \
+    default: rows_I4_ASYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m);                                     \
+    }
+    if (nt == DOT_NT) {
+#if DOT_NT == 4
+        ROWS_CALL(4, rows, out)
+#else
+        ROWS_CALL(2, rows, out)
+#endif
+    } else {
+        for (int ni = 0; ni < nt; ni++) {
+            ROWS_CALL(1, rows + ni, out + ni)
+        }
+    }
+#undef ROWS_CALL
+}
+#endif
+
+/* The dots of every a row (m rows) with code rows rows[0..nt) into out[g * ld_g + m * ld_m + ni]. */
+typedef struct {
+    const part_t *p;
+    const int8_t *a;
+    int64_t lda, m;
+    const uint8_t *ap;
+    int esize;
+    const uint32_t *corr;
+} dotter_t;
+
+static void dots_rows(const dotter_t *d, const uint8_t *const *rows, int nt, int32_t *out, int64_t ld_g, int64_t ld_m) {
+#if !VECTOR
+    const part_t *p = d->p;
+    int16_t codes[DOT_NT][p->width]; /* each row's codes c' decoded once, for every a row */
+    for (int ni = 0; ni < nt; ni++)
+        for (int64_t c = 0; c < p->width; c++) codes[ni][c] = (int16_t)code_at(rows[ni], p->kind, c);
+    for (int64_t m = 0; m < d->m; m++)
+        for (int64_t g = 0; g < p->groups; g++)
+            for (int ni = 0; ni < nt; ni++) {
+                uint32_t sum = 0; /* wrapping: exact wherever the result fits in int32 */
+                for (int64_t c = g * p->gs; c < (g + 1) * p->gs; c++)
+                    sum += (uint32_t)((int32_t)d->a[m * d->lda + c] * codes[ni][c]);
+                out[g * ld_g + m * ld_m + ni] = (int32_t)sum;
+            }
+#else
+    dots_rows_vec(d->p, d->ap, d->esize, d->corr, d->m, rows, nt, out, ld_g, ld_m);
+#endif
+}
+
+/* A prepared for `dots_rows` (vector variants), freed by `dotter_free`. */
+static dotter_t dotter_make(const part_t *p, const int8_t *a, int64_t lda, int64_t m) {
+    dotter_t d = {p, a, lda, m, NULL, 1, NULL};
+#if VECTOR
+    int64_t n = m * p->groups;
+    uint8_t *ap = alloc((size_t)(n * p->nch * CH * 2));
+    int32_t *sums = alloc((size_t)n * 4);
+    uint32_t *corr = alloc((size_t)n * 4);
+    d.esize = prep_a(a, lda, m, p, ap, sums);
+    corrections(p, sums, n, corr);
+    free(sums);
+    d.ap = ap;
+    d.corr = corr;
+#endif
+    return d;
+}
+
+static void dotter_free(dotter_t *d) {
+    free((void *)d->ap);
+    free((void *)d->corr);
+}
+
+/* sum_k a[m][k] over each group: [m][G] */
+static void a_sums(const part_t *p, const int8_t *a, int64_t lda, int64_t m, int32_t *sums) {
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < p->groups; g++) {
+            int32_t s = 0;
+            for (int64_t c = g * p->gs; c < (g + 1) * p->gs; c++) s += a[i * lda + c];
+            sums[i * p->groups + g] = s;
+        }
+}
+
+/* c[b][m][n] = sum_k a[b][m][k] * c'(w row n of batch b, k) (one group of k channels), int32. */
+void mlaq_dots(const int8_t *a, int64_t lda_b, int64_t lda_m, int64_t m, int kind, const uint8_t *w, int64_t ldw_b,
+               int64_t ldw_n, int64_t n, int64_t k, int32_t *c, int64_t ldc_b, int64_t ldc_m, int64_t batch,
+               int threads) {
+    part_t p = make_part(kind, k, k, 0, 0);
+    dotter_t *d = malloc(sizeof(dotter_t) * (size_t)batch);
+    for (int64_t b = 0; b < batch; b++) d[b] = dotter_make(&p, a + b * lda_b, lda_m, m);
+    int64_t tiles = (n + DOT_NT - 1) / DOT_NT, jobs = batch * tiles;
+#pragma omp parallel for num_threads(jobs < threads ? (int)(jobs > 0 ? jobs : 1) : threads) schedule(static)
+    for (int64_t job = 0; job < jobs; job++) {
+        int64_t b = job / tiles, n0 = (job % tiles) * DOT_NT;
+        int nt = n - n0 < DOT_NT ? (int)(n - n0) : DOT_NT;
+        const uint8_t *rows[DOT_NT];
+        for (int ni = 0; ni < nt; ni++) rows[ni] = w + b * ldw_b + (n0 + ni) * ldw_n;
+        dots_rows(&d[b], rows, nt, c + b * ldc_b + n0, 0, ldc_m);
+    }
+    for (int64_t b = 0; b < batch; b++) dotter_free(&d[b]);
+    free(d);
+}
+
+/* The W8A8 product of `mlaquant.modeling.int8_proj.grouped_int8_matmul` in one call: x fp32 [M][G][K] -> per (m, g) row
+ * amax = max |x|, codes rint(x * ((1 / amax) * 127)) clamped to +-127 (0 where amax == 0; torch's 127.0 / amax is
+ * reciprocal(amax) * 127), s_x = amax / 127; acc = exact INT32 sums with w int8 [G][N][K]; out fp32 [M][G][N] =
+ * ((float)acc * s_x) * ws[g][n], the FP32 operations of the torch route in its order. */
+void mlaq_w8a8(const float *x, int64_t m, int64_t groups, int64_t k, const int8_t *w, int64_t n, const float *ws,
+               float *out, int threads) {
+    int8_t *a = alloc((size_t)(m * groups * k));
+    float *sx = alloc((size_t)(m * groups) * 4);
+    int32_t *acc = alloc((size_t)(groups * m * n) * 4);
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * groups * k >= 65536)
+    for (int64_t r = 0; r < m * groups; r++) {
+        const float *xr = x + r * k;
+        uint32_t abits = 0; /* max |x| as the bits of |x|: ordered like the values (finite input), and an integer
+                               max reduction vectorizes where a float one does not without -ffast-math */
+        for (int64_t c = 0; c < k; c++) {
+            uint32_t b;
+            memcpy(&b, xr + c, 4);
+            b &= 0x7fffffffu;
+            abits = b > abits ? b : abits;
+        }
+        float amax;
+        memcpy(&amax, &abits, 4);
+        float inv = amax > 0.0f ? (1.0f / amax) * 127.0f : 0.0f;
+        int8_t *ar = a + r * k;
+        for (int64_t c = 0; c < k; c++) {
+            float q = nearbyintf(xr[c] * inv);
+            q = q > 127.0f ? 127.0f : q;
+            ar[c] = (int8_t)(int32_t)(q < -127.0f ? -127.0f : q);
+        }
+        sx[r] = amax / 127.0f;
+    }
+    part_t p = make_part(0, k, k, 0, 0);
+    dotter_t *d = malloc(sizeof(dotter_t) * (size_t)groups);
+    for (int64_t g = 0; g < groups; g++) d[g] = dotter_make(&p, a + g * k, groups * k, m);
+    int64_t tiles = (n + DOT_NT - 1) / DOT_NT, jobs = groups * tiles;
+#pragma omp parallel for num_threads(jobs < threads ? (int)(jobs > 0 ? jobs : 1) : threads) schedule(static)
+    for (int64_t job = 0; job < jobs; job++) {
+        int64_t g = job / tiles, n0 = (job % tiles) * DOT_NT;
+        int nt = n - n0 < DOT_NT ? (int)(n - n0) : DOT_NT;
+        const uint8_t *rows[DOT_NT];
+        for (int ni = 0; ni < nt; ni++) rows[ni] = (const uint8_t *)(w + (g * n + n0 + ni) * k);
+        dots_rows(&d[g], rows, nt, acc + g * m * n + n0, 0, n);
+    }
+    for (int64_t g = 0; g < groups; g++) dotter_free(&d[g]);
+    free(d);
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * groups * n >= 65536)
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t j = 0; j < n; j++)
+                out[(i * groups + g) * n + j] = ((float)acc[(g * m + i) * n + j] * sx[i * groups + g]) * ws[g * n + j];
+    free(a);
+    free(sx);
+    free(acc);
+}
+
+/* ---------------------------------------------------------------- scores */
+
+#define MAX_PARTS 2
+
+/* One integer part of a scores call: where it starts in the row, its A, and per-thread buffers. */
+typedef struct {
+    part_t p;
+    int64_t offset;
+    dotter_t d;
+    const float *qs;
+    float *qlo;
+} scored_t;
+
+/* v (+)= sum over the parts, in order, of sum_g (qs[h][g] * s[t][g]) * dot + (asym) qlo[h][g] * zp[t][g], for the
+ * tokens [t0, t0 + nt) of one tile; dbuf[k], sT[k], zT[k] are part k's dots [G][heads][TT] and params [G][TT]. */
+static void scores_tile(const scored_t *parts, int nparts, const uint8_t *base, const int64_t *pages,
+                        int64_t page_rows, int64_t stride, int64_t t0, int64_t nt, int64_t heads, float *out,
+                        int64_t ldo, int accumulate, int32_t **dbuf, float **sT, float **zT) {
+    const uint8_t *rows[TT], *prow[TT];
+    rows_from(base, pages, page_rows, stride, t0, nt, rows);
+    for (int k = 0; k < nparts; k++) {
+        const part_t *p = &parts[k].p;
+        for (int64_t tt = 0; tt < nt; tt++) {
+            prow[tt] = rows[tt] + parts[k].offset;
+            load_params(p, prow[tt], sT[k] + tt, zT[k] + tt, TT);
+        }
+        for (int64_t tt = 0; tt < nt; tt += DOT_NT) {
+            int n = nt - tt < DOT_NT ? (int)(nt - tt) : DOT_NT;
+            dots_rows(&parts[k].d, prow + tt, n, dbuf[k] + tt, heads * TT, TT);
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *o = out + h * ldo + t0;
+        int64_t tt = 0;
+#if VECTOR
+        for (; tt + 8 <= nt; tt += 8) {
+            __m256 v = accumulate ? _mm256_loadu_ps(o + tt) : _mm256_setzero_ps();
+            for (int k = 0; k < nparts; k++) {
+                const int64_t G = parts[k].p.groups;
+                const float *qs = parts[k].qs, *qlo = parts[k].qlo;
+                for (int64_t g = 0; g < G; g++) {
+                    __m256i di = _mm256_loadu_si256((const __m256i *)(dbuf[k] + (g * heads + h) * TT + tt));
+                    __m256 sv = _mm256_loadu_ps(sT[k] + g * TT + tt);
+                    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(qs[h * G + g]), sv),
+                                                       _mm256_cvtepi32_ps(di)));
+                    if (IS_ASYM(parts[k].p.kind))
+                        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(qlo[h * G + g]),
+                                                           _mm256_loadu_ps(zT[k] + g * TT + tt)));
+                }
+            }
+            _mm256_storeu_ps(o + tt, v);
+        }
+#endif
+        for (; tt < nt; tt++) {
+            float v = accumulate ? o[tt] : 0.0f;
+            for (int k = 0; k < nparts; k++) {
+                const int64_t G = parts[k].p.groups;
+                const float *qs = parts[k].qs, *qlo = parts[k].qlo;
+                for (int64_t g = 0; g < G; g++) {
+                    v = v + (qs[h * G + g] * sT[k][g * TT + tt]) * (float)dbuf[k][(g * heads + h) * TT + tt];
+                    if (IS_ASYM(parts[k].p.kind)) v = v + qlo[h * G + g] * zT[k][g * TT + tt];
+                }
+            }
+            o[tt] = v;
+        }
+    }
+}
+
+/* out[h][t] (+)= the scores of nparts <= 2 integer parts of the same n block rows (module comment), in order:
+ * desc[6k..6k+5] = kind, width, group size, scale and zero offsets (from the part's start), the part's byte
+ * offset in the row; q8[k] [heads][width] int8, qs[k] [heads][groups] fp32 (score factor folded in); out
+ * [heads][ldo] fp32. Two parts in one call give the bits of two calls, the second accumulating. */
+void mlaq_scores(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64_t stride, int64_t n, int nparts,
+                 const int64_t *desc, const int8_t *const *q8, const float *const *qs, int64_t heads, float *out,
+                 int64_t ldo, int accumulate, float *maxes, int threads) {
+    scored_t parts[MAX_PARTS];
+    nparts = nparts < MAX_PARTS ? nparts : MAX_PARTS;
+    for (int k = 0; k < nparts; k++) {
+        const int64_t *e = desc + 6 * k;
+        scored_t *sp = &parts[k];
+        sp->p = make_part((int)e[0], e[1], e[2], e[3], e[4]);
+        sp->offset = e[5];
+        sp->d = dotter_make(&sp->p, q8[k], sp->p.width, heads);
+        sp->qs = qs[k];
+        int64_t hg = heads * sp->p.groups;
+        int32_t *sums = alloc((size_t)hg * 4);
+        sp->qlo = alloc((size_t)hg * 4);
+        a_sums(&sp->p, q8[k], sp->p.width, heads, sums);
+        for (int64_t i = 0; i < hg; i++) sp->qlo[i] = (float)sums[i] * qs[k][i];
+        free(sums);
+    }
+    int64_t tiles = (n + TT - 1) / TT;
+#pragma omp parallel num_threads(tiles < threads ? (int)(tiles > 0 ? tiles : 1) : threads)
+    {
+        int32_t *dbuf[MAX_PARTS];
+        float *sT[MAX_PARTS], *zT[MAX_PARTS];
+        for (int k = 0; k < nparts; k++) {
+            int64_t G = parts[k].p.groups;
+            dbuf[k] = alloc((size_t)(G * heads * TT) * 4);
+            sT[k] = alloc((size_t)(G * TT) * 4);
+            zT[k] = alloc((size_t)(G * TT) * 4);
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < tiles; i++) {
+            int64_t t0 = i * TT, nt = n - t0 < TT ? n - t0 : TT;
+            scores_tile(parts, nparts, base, pages, page_rows, stride, t0, nt, heads, out, ldo, accumulate, dbuf, sT, zT);
+        }
+        if (maxes) { /* each head's max over the n scores (exact in any order); -inf for n = 0 */
+#pragma omp for schedule(static)
+            for (int64_t h = 0; h < heads; h++) {
+                float mx = -INFINITY;
+                for (int64_t t = 0; t < n; t++) mx = out[h * ldo + t] > mx ? out[h * ldo + t] : mx;
+                maxes[h] = mx;
+            }
+        }
+        for (int k = 0; k < nparts; k++) {
+            free(dbuf[k]);
+            free(sT[k]);
+            free(zT[k]);
+        }
+    }
+    for (int k = 0; k < nparts; k++) {
+        dotter_free(&parts[k].d);
+        free(parts[k].qlo);
+    }
+}
+
+/* ---------------------------------------------------------------- P.V */
+
+/* P[t] = clamp(rint(p[t] * (s[t] * r)), +-32767) int16 for t < n, 0 for t in [n, npad). */
+static void quantize_probs(const float *p, const float *s, float r, int64_t n, int64_t npad, int16_t *out) {
+    int64_t t = 0;
+#if VECTOR
+    const __m256 hi = _mm256_set1_ps(32767.0f), lo = _mm256_set1_ps(-32767.0f), rv = _mm256_set1_ps(r);
+    for (; t + 8 <= n; t += 8) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_mul_ps(_mm256_loadu_ps(s + t), rv));
+        x = _mm256_min_ps(_mm256_max_ps(_mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), lo), hi);
+        __m256i i = _mm256_cvtps_epi32(x);
+        __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+        _mm_storeu_si128((__m128i *)(out + t), packed);
+    }
+#endif
+    for (; t < n; t++) {
+        float x = nearbyintf(p[t] * (s[t] * r));
+        x = x < -32767.0f ? -32767.0f : x > 32767.0f ? 32767.0f : x;
+        out[t] = (int16_t)x;
+    }
+    for (; t < npad; t++) out[t] = 0;
+}
+
+/* sum_t p[t] * z[t] in 8 lanes (lane t % 8, in t order), then ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). */
+static float lane_dot(const float *p, const float *z, int64_t n) {
+    float l[8] = {0};
+    int64_t t = 0;
+#if VECTOR
+    __m256 v = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(p + t), _mm256_loadu_ps(z + t)));
+    _mm256_storeu_ps(l, v);
+#endif
+    for (; t < n; t++) l[t % 8] = l[t % 8] + p[t] * z[t];
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* 2^x for x <= 0 (0 below -126), the same FP32 operations in every variant: x = n + f, n = rint(x), |f| <= 1/2,
+ * 2^f = 1 + f * P(f) (Cephes' exp2f polynomial, Horner, separate multiplies and adds), times 2^n from its bits. */
+#define EXP2_C0 1.535336188319500e-4f
+#define EXP2_C1 1.339887440266574e-3f
+#define EXP2_C2 9.618437357674640e-3f
+#define EXP2_C3 5.550332471162809e-2f
+#define EXP2_C4 2.402264791363012e-1f
+#define EXP2_C5 6.931472028550421e-1f
+static inline float exp2_scalar(float x) {
+    if (!(x >= -126.0f)) return 0.0f;
+    float n = nearbyintf(x), f = x - n;
+    float q = EXP2_C0;
+    q = q * f + EXP2_C1;
+    q = q * f + EXP2_C2;
+    q = q * f + EXP2_C3;
+    q = q * f + EXP2_C4;
+    q = q * f + EXP2_C5;
+    float y = q * f + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+#if VECTOR
+static inline __m256 exp2_vec(__m256 x) {
+    __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-126.0f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
+    __m256 q = _mm256_set1_ps(EXP2_C0);
+    q = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(EXP2_C1));
+    q = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(EXP2_C2));
+    q = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(EXP2_C3));
+    q = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(EXP2_C4));
+    q = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(EXP2_C5));
+    __m256 y = _mm256_add_ps(_mm256_mul_ps(q, f), _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)), keep);
+}
+#endif
+
+/* p[t] = exp2(x[t] - m) for t < n; returns sum_t p[t] in `lane_dot`'s fixed 8-lane order. */
+static float exp2_row(const float *x, float m, int64_t n, float *p) {
+    float l[8] = {0};
+    int64_t t = 0;
+#if VECTOR
+    __m256 v = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp2_vec(_mm256_sub_ps(_mm256_loadu_ps(x + t), mv));
+        _mm256_storeu_ps(p + t, e);
+        v = _mm256_add_ps(v, e);
+    }
+    _mm256_storeu_ps(l, v);
+#endif
+    for (; t < n; t++) {
+        p[t] = exp2_scalar(x[t] - m);
+        l[t % 8] = l[t % 8] + p[t];
+    }
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+/* p = exp2(x - m) elementwise (tests: the kernels' exp2 against torch's). */
+void mlaq_exp2(const float *x, int64_t n, float m, float *p, float *sum) { *sum = exp2_row(x, m, n, p); }
+
+#if VECTOR
+/* The slab's 16 codes c' of one row as int8 (channels c0.., w <= 16 valid; the rest are never stored). */
+INLINE __m128i slab_codes(const part_t *p, const uint8_t *row, int64_t c0, int64_t w) {
+    if (IS_INT4(p->kind)) {
+        __m128i b = load16(row + c0 / 2, (w + 1) / 2), m = _mm_set1_epi8(15);
+        __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+        return p->kind == I4_SYM ? _mm_sub_epi8(x, _mm_set1_epi8(8)) : x;
+    }
+    __m128i x = load16(row + c0, w);
+    return p->kind == I8_ASYM ? _mm_xor_si128(x, _mm_set1_epi8((char)0x80)) : x;
+}
+
+/* B[i] = 16 channels x (token 2i, token 2i + 1) as int16 pairs, channels 0..7 then 8..15. */
+static void pack_slab(const part_t *p, const uint8_t *const *rows, int64_t nc, int64_t c0, int64_t w, int16_t *B) {
+    for (int64_t i = 0; 2 * i < nc; i++) {
+        __m128i x0 = slab_codes(p, rows[2 * i], c0, w);
+        __m128i x1 = 2 * i + 1 < nc ? slab_codes(p, rows[2 * i + 1], c0, w) : _mm_setzero_si128();
+        _mm256_store_si256((__m256i *)(B + 32 * i), _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x0, x1)));
+        _mm256_store_si256((__m256i *)(B + 32 * i + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x0, x1)));
+    }
+}
+
+/* out[mi][0..16) = sum over the pairs of P[mi][2i..2i+1] . B[i] for heads mi < MT (a small function of its own:
+ * the accumulators stay in registers). */
+#define PV_MICRO(MT)                                                                                              \
+    static __attribute__((noinline)) void pv_micro_##MT(const int16_t *B, int64_t npairs, const int32_t *P,      \
+                                                         int64_t ldP, int32_t *out) {                             \
+        __m256i acc[MT][2];                                                                                       \
+        _Pragma("GCC unroll 16") for (int mi = 0; mi < MT; mi++) acc[mi][0] = acc[mi][1] = _mm256_setzero_si256(); \
+        for (int64_t i = 0; i < npairs; i++) {                                                                    \
+            __m256i b0 = _mm256_load_si256((const __m256i *)(B + 32 * i));                                       \
+            __m256i b1 = _mm256_load_si256((const __m256i *)(B + 32 * i + 16));                                  \
+            _Pragma("GCC unroll 16") for (int mi = 0; mi < MT; mi++) {                                            \
+                __m256i pb = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(P + i * ldP + mi)));         \
+                acc[mi][0] = PV_MAC(acc[mi][0], b0, pb);                                                          \
+                acc[mi][1] = PV_MAC(acc[mi][1], b1, pb);                                                          \
+            }                                                                                                     \
+        }                                                                                                         \
+        _Pragma("GCC unroll 16") for (int mi = 0; mi < MT; mi++) {                                                \
+            _mm256_storeu_si256((__m256i *)(out + 16 * mi), acc[mi][0]);                                          \
+            _mm256_storeu_si256((__m256i *)(out + 16 * mi + 8), acc[mi][1]);                                      \
+        }                                                                                                         \
+    }
+#if VNNI
+#define PV_MAC(acc, b, p) DPWSSD(acc, b, p)
+#else
+#define PV_MAC(acc, b, p) _mm256_add_epi32(acc, _mm256_madd_epi16(b, p))
+#endif
+#if MLAQ_ISA == MLAQ_AVX512VNNI
+/* zmm: one B pair vector covers the slab's 16 channels, P comes as an embedded broadcast, 32 registers hold 16 heads */
+#define PV_MICRO_Z(MT)                                                                                            \
+    static __attribute__((noinline)) void pv_micro_##MT(const int16_t *B, int64_t npairs, const int32_t *P,      \
+                                                         int64_t ldP, int32_t *out) {                             \
+        __m512i acc[MT];                                                                                          \
+        _Pragma("GCC unroll 16") for (int mi = 0; mi < MT; mi++) acc[mi] = _mm512_setzero_si512();                \
+        for (int64_t i = 0; i < npairs; i++) {                                                                    \
+            __m512i b = _mm512_load_si512((const void *)(B + 32 * i));                                           \
+            _Pragma("GCC unroll 16") for (int mi = 0; mi < MT; mi++) acc[mi] = dpwssd_z_bcast(acc[mi], b, P + i * ldP + mi); \
+        }                                                                                                         \
+        _Pragma("GCC unroll 16") for (int mi = 0; mi < MT; mi++) _mm512_storeu_si512((void *)(out + 16 * mi), acc[mi]); \
+    }
+PV_MICRO_Z(1)
+PV_MICRO_Z(PV_MT)
+#else
+PV_MICRO(1)
+PV_MICRO(PV_MT)
+#endif
+
+/* S[mi][0..w) += the INT32 sums of `pv_micro` for heads mi < mt (PV_MT or 1); P[i * ldP + mi] the heads' pairs. */
+INLINE void pv_tile(const int16_t *B, int64_t npairs, const int32_t *P, int64_t ldP, const int mt, double *S,
+                    int64_t ldS, int64_t w) {
+    int32_t sums[PV_MT * SLAB];
+    if (mt == PV_MT) pv_micro_PV_MT(B, npairs, P, ldP, sums);
+    else pv_micro_1(B, npairs, P, ldP, sums);
+    for (int mi = 0; mi < mt; mi++) {
+        double *s = S + mi * ldS;
+        const int32_t *v = sums + SLAB * mi;
+        if (w == SLAB) {
+            for (int k = 0; k < SLAB; k += 4)
+                _mm256_storeu_pd(s + k, _mm256_add_pd(_mm256_loadu_pd(s + k),
+                                                      _mm256_cvtepi32_pd(_mm_loadu_si128((const __m128i *)(v + k)))));
+        } else {
+            for (int64_t c = 0; c < w; c++) s[c] += (double)v[c];
+        }
+    }
+}
+#endif
+
+/* S[h][(sl - s0) * SLAB + c] = sum_t P[g][h][t] * c'[t][c] over the channels of slabs [s0, s1) (each inside one
+ * group), S [heads][(s1 - s0) * SLAB]; chunk by chunk, so a chunk's rows stay in cache across the slabs. */
+static void pv_slabs(const part_t *p, const uint8_t *const *rows, int64_t n, const int32_t *P, int64_t npad,
+                     int64_t heads, double *S, int64_t s0, int64_t s1, int16_t *B) {
+    int64_t per_group = (p->gs + SLAB - 1) / SLAB, ldS = (s1 - s0) * SLAB;
+    for (int64_t i = 0; i < heads * ldS; i++) S[i] = 0.0;
+    for (int64_t t0 = 0; t0 < n; t0 += PV_CHUNK) {
+        int64_t nc = n - t0 < PV_CHUNK ? n - t0 : PV_CHUNK;
+        for (int64_t sl = s0; sl < s1; sl++) {
+            int64_t g = sl / per_group, c0 = g * p->gs + (sl % per_group) * SLAB;
+            int64_t w = (g + 1) * p->gs - c0 < SLAB ? (g + 1) * p->gs - c0 : SLAB;
+            const int32_t *Pg = P + (g * npad / 2 + t0 / 2) * heads; /* [pair][head] */
+            double *Ss = S + (sl - s0) * SLAB;
+#if VECTOR
+            pack_slab(p, rows + t0, nc, c0, w, B);
+            for (int64_t h = 0; h < heads; h += PV_MT) {
+                int mt = heads - h < PV_MT ? (int)(heads - h) : PV_MT;
+                if (mt == PV_MT) pv_tile(B, (nc + 1) / 2, Pg + h, heads, PV_MT, Ss + h * ldS, ldS, w);
+                else
+                    for (int mi = 0; mi < mt; mi++)
+                        pv_tile(B, (nc + 1) / 2, Pg + h + mi, heads, 1, Ss + (h + mi) * ldS, ldS, w);
+            }
+#else
+            (void)B;
+            int32_t sums[heads][SLAB]; /* exact: a chunk's sums stay below 2^31 */
+            memset(sums, 0, sizeof(sums));
+            for (int64_t t = 0; t < nc; t++) {
+                int32_t cv[SLAB] = {0};
+                for (int64_t c = 0; c < w; c++) cv[c] = code_at(rows[t0 + t], p->kind, c0 + c);
+                for (int64_t h = 0; h < heads; h++) {
+                    int16_t pair[2];
+                    memcpy(pair, Pg + (t / 2) * heads + h, 4);
+                    int32_t pt = pair[t % 2];
+                    for (int c = 0; c < SLAB; c++) sums[h][c] += pt * cv[c];
+                }
+            }
+            for (int64_t h = 0; h < heads; h++)
+                for (int64_t c = 0; c < w; c++) Ss[h * ldS + c] += (double)sums[h][c];
+#endif
+        }
+    }
+}
+
+/* This thread's share [s0, s1) of the slabs (contiguous, static). */
+static void my_slabs(int64_t slabs, int64_t *s0, int64_t *s1) {
+#ifdef _OPENMP
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    int t = 0, nt = 1;
+#endif
+    *s0 = slabs * t / nt;
+    *s1 = slabs * (t + 1) / nt;
+}
+
+/* acc[h][c] (+)= the P.V of one integer c_kv part over n block rows (module comment), acc [heads][lda] fp32.
+ * x [heads][ldp] fp32: the probabilities in [0, 1] (m_run NULL: acc += P.V), or the base-2 scores of one block
+ * of an online softmax whose running max and sum per head are m_run, l_run [heads] (in/out) and whose block maxes
+ * are bmax [heads] (the scores kernel's): m = max(m_run, bmax) (bmax for the first block), alpha = exp2(m_run - m),
+ * p = exp2(x - m), acc = acc * alpha + P.V, l_run = l_run * alpha + sum_t p (the fixed 8-lane order), m_run = m;
+ * the first block (first != 0): acc += P.V, l_run = sum_t p. Every exp2 is `exp2_scalar`'s. */
+void mlaq_pv(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64_t stride, int64_t n, int kind,
+             int64_t width, int64_t gs, int64_t scale_off, int64_t zero_off, const float *x, int64_t ldp,
+             int64_t heads, float *acc, int64_t lda, float *m_run, float *l_run, const float *bmax, int first,
+             int threads) {
+    part_t p = make_part(kind, width, gs, scale_off, zero_off);
+    const int64_t G = p.groups, npad = (n + 1) / 2 * 2, per_group = (p.gs + SLAB - 1) / SLAB, slabs = G * per_group;
+    const uint8_t **rows = alloc((size_t)n * sizeof(*rows));
+    float *s = alloc((size_t)(G * n) * 4), *zp = alloc((size_t)(G * n) * 4), *r = alloc((size_t)G * 4);
+    float *z = alloc((size_t)(heads * G) * 4);
+    int32_t *P = alloc((size_t)(G * heads * npad) * 2); /* [g][pair][head]: int16 pairs (P[2i], P[2i + 1]) */
+    double *m_over = alloc((size_t)G * 8);
+    float *pbuf = m_run ? alloc((size_t)(heads * n) * 4) : NULL;
+    float *m = alloc((size_t)heads * 4), *alpha = NULL, *sums = alloc((size_t)heads * 4);
+    if (m_run) {
+        if (!first) alpha = alloc((size_t)heads * 4);
+        for (int64_t h = 0; h < heads; h++) {
+            m[h] = first || bmax[h] > m_run[h] ? bmax[h] : m_run[h];
+            if (!first) alpha[h] = exp2_scalar(m_run[h] - m[h]);
+        }
+    }
+    const float *probs = m_run ? pbuf : x;
+    const int64_t ldq = m_run ? n : ldp;
+#pragma omp parallel num_threads(n < 64 ? 1 : threads)
+    {
+        if (m_run) {
+#pragma omp for schedule(static)
+            for (int64_t h = 0; h < heads; h++) sums[h] = exp2_row(x + h * ldp, m[h], n, pbuf + h * n);
+        }
+#pragma omp single
+        rows_from(base, pages, page_rows, stride, 0, n, rows);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n; t++) load_params(&p, rows[t], s + t, zp + t, n);
+#pragma omp single
+        for (int64_t g = 0; g < G; g++) { /* M_g = max_t |s|: r = 32767 / M_g, m_over = M_g / 32767 */
+            float m = 0.0f;
+            for (int64_t t = 0; t < n; t++) m = fabsf(s[g * n + t]) > m ? fabsf(s[g * n + t]) : m;
+            r[g] = m > 0.0f ? 32767.0f / m : 0.0f;
+            m_over[g] = (double)m / 32767.0;
+        }
+        int16_t *row = alloc((size_t)npad * 2);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < G * heads; i++) {
+            int64_t g = i / heads, h = i % heads;
+            quantize_probs(probs + h * ldq, s + g * n, r[g], n, npad, row);
+            for (int64_t j = 0; j < npad / 2; j++) memcpy(P + (g * npad / 2 + j) * heads + h, row + 2 * j, 4);
+            z[h * G + g] = IS_ASYM(p.kind) ? lane_dot(probs + h * ldq, zp + g * n, n) : 0.0f;
+        }
+        free(row);
+        int64_t s0, s1;
+        my_slabs(slabs, &s0, &s1);
+        if (s1 > s0) {
+            int64_t ldS = (s1 - s0) * SLAB;
+            double *S = alloc((size_t)(heads * ldS) * 8);
+            int16_t *B = alloc((size_t)(PV_CHUNK / 2) * 32 * 2);
+            pv_slabs(&p, rows, n, P, npad, heads, S, s0, s1, B);
+            for (int64_t sl = s0; sl < s1; sl++) {
+                int64_t g = sl / per_group, c0 = g * p.gs + (sl % per_group) * SLAB;
+                int64_t w = (g + 1) * p.gs - c0 < SLAB ? (g + 1) * p.gs - c0 : SLAB;
+                for (int64_t h = 0; h < heads; h++)
+                    for (int64_t c = 0; c < w; c++) {
+                        float v = (float)(m_over[g] * S[h * ldS + (sl - s0) * SLAB + c]);
+                        float *a = acc + h * lda + c0 + c;
+                        *a = (alpha ? *a * alpha[h] : *a) + (v + z[h * G + g]);
+                    }
+            }
+            free(S);
+            free(B);
+        }
+    }
+    free((void *)rows);
+    free(s);
+    free(zp);
+    free(r);
+    free(z);
+    if (m_run)
+        for (int64_t h = 0; h < heads; h++) {
+            l_run[h] = first ? sums[h] : l_run[h] * alpha[h] + sums[h];
+            m_run[h] = m[h];
+        }
+    free(P);
+    free(m_over);
+    free(pbuf);
+    free(m);
+    free(alpha);
+    free(sums);
+}
+
+/* S only (tests): S[h][c] = sum_t P[g][h][t] * c'[t][c], P int16 [G][heads][npad] given, npad even >= n. */
+void mlaq_pv_sums(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64_t stride, int64_t n, int kind,
+                  int64_t width, int64_t gs, const int16_t *P, int64_t npad, int64_t heads, double *S, int threads) {
+    part_t p = make_part(kind, width, gs, 0, 0);
+    const int64_t per_group = (p.gs + SLAB - 1) / SLAB, slabs = p.groups * per_group;
+    const uint8_t **rows = alloc((size_t)n * sizeof(*rows));
+    rows_from(base, pages, page_rows, stride, 0, n, rows);
+    int32_t *Pt = alloc((size_t)(p.groups * heads * npad) * 2);
+    for (int64_t g = 0; g < p.groups; g++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t j = 0; j < npad / 2; j++)
+                memcpy(Pt + (g * npad / 2 + j) * heads + h, P + (g * heads + h) * npad + 2 * j, 4);
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t s0, s1;
+        my_slabs(slabs, &s0, &s1);
+        if (s1 > s0) {
+            int64_t ldS = (s1 - s0) * SLAB;
+            double *local = alloc((size_t)(heads * ldS) * 8);
+            int16_t *B = alloc((size_t)(PV_CHUNK / 2) * 32 * 2);
+            pv_slabs(&p, rows, n, Pt, npad, heads, local, s0, s1, B);
+            for (int64_t sl = s0; sl < s1; sl++) {
+                int64_t g = sl / per_group, c0 = g * p.gs + (sl % per_group) * SLAB;
+                int64_t w = (g + 1) * p.gs - c0 < SLAB ? (g + 1) * p.gs - c0 : SLAB;
+                for (int64_t h = 0; h < heads; h++)
+                    for (int64_t c = 0; c < w; c++) S[h * width + c0 + c] = local[h * ldS + (sl - s0) * SLAB + c];
+            }
+            free(local);
+            free(B);
+        }
+    }
+    free((void *)rows);
+    free(Pt);
+}
+
+/* The whole in-place decode of nseq sequences whose parts are all integer: for each sequence s, block by block
+ * (block_tokens, a multiple of page_rows), mlaq_scores into a scratch row block (with its maxes), then mlaq_pv's
+ * online-softmax step into acc[s] [heads][lda], m[s * heads..], l[s * heads..]. pages[s] lists sequence s's pages,
+ * lens[s] > 0 its tokens; q8[s * nparts + k], qs[s * nparts + k] its query for part k (desc as mlaq_scores'); the
+ * first part is the c_kv one. One call: no per-block work outside the kernels. */
+void mlaq_decode(const uint8_t *pool, int64_t page_rows, int64_t stride, int64_t nseq, const int64_t *const *pages,
+                 const int64_t *lens, int64_t block_tokens, int nparts, const int64_t *desc, const int8_t *const *q8,
+                 const float *const *qs, int64_t heads, float *const *acc, int64_t lda, float *m, float *l,
+                 int threads) {
+    float *scores = alloc((size_t)(heads * block_tokens) * 4), *bmax = alloc((size_t)heads * 4);
+    for (int64_t s = 0; s < nseq; s++)
+        for (int64_t start = 0; start < lens[s]; start += block_tokens) {
+            int64_t n = lens[s] - start < block_tokens ? lens[s] - start : block_tokens;
+            const int64_t *pg = pages[s] + start / page_rows;
+            mlaq_scores(pool, pg, page_rows, stride, n, nparts, desc, q8 + s * nparts, qs + s * nparts, heads, scores,
+                        block_tokens, 0, bmax, threads);
+            mlaq_pv(pool, pg, page_rows, stride, n, (int)desc[0], desc[1], desc[2], desc[3], desc[4], scores,
+                    block_tokens, heads, acc[s], lda, m + s * heads, l + s * heads, bmax, start == 0, threads);
+        }
+    free(scores);
+    free(bmax);
+}
