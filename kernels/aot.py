@@ -262,7 +262,6 @@ def _meta(*shape, dtype) -> torch.Tensor:
 def decode_variants(heads=HEADS, codecs=DECODE_CODECS, config=None) -> list[Variant]:
     """The stage-1 decode launches (B = 32, 32k context) of every codec pair x head count, plus the merge."""
     from mlaquant.kernels import mla_decode as K
-    from mlaquant.quant.codecs import LayerCodec
 
     config = config or K.load_kernel_config()
     out = []
