@@ -147,7 +147,7 @@ def test_prediction_beside_a_measurement_is_the_reports_at_its_shape(rows, tmp_p
 
 
 def test_kernel_bench_table_puts_measured_and_predicted_side_by_side():
-    from mlaquant.kernels.bench import render_markdown
+    from mlaquant.bench.kernels import render_markdown
 
     meta = {"device": "NVIDIA H100", "torch": "t", "triton": "t", "copy_gb_per_s": 3000.0, "spec_peaks": None,
             "args": {}}
