@@ -1,7 +1,19 @@
-"""mlaquant: calibrated INT8/INT4 latent KV caches for Multi-head Latent Attention models.
+"""mlaquant: calibrated low-bit latent KV caches for Multi-head Latent Attention models (DeepSeek-V2/V3).
 
-Public API: `load_model`, `DecodeSession`, `generate` (imported lazily so that `import mlaquant`
-stays cheap for the CLI).
+Public API (imported lazily, so `import mlaquant` stays cheap for the CLI):
+
+    load_model(path=None, device="cpu", dtype="auto") -> MLAModel
+        a Hugging Face DeepSeek-V2/V3 checkpoint directory or Hub id; None: the bundled model
+    DecodeSession(model, plan="fp16" | "int8" | "int4[+i8mm]" | PLAN_DIR | Plan, backend="auto", guard=None)
+        prefill(ids [B, T]) -> logits; decode(next_ids [B]) -> logits, over a paged latent cache in the plan's
+        codecs
+    generate(model, prompt_ids, max_new_tokens, plan="fp16", guard=None, ...) -> list[list[int]]
+        the new tokens of each prompt (greedy at temperature 0, else nucleus sampling)
+
+Subpackages, in the order the data flows: modeling (model, loader, streamed layers), mlaquant.calib (plan
+search), quant (codecs), runtime (plan, cache, session, guard), attention (the decode op: torch, C fast path,
+Triton in mlaquant.kernels), evaluation, integrations (transformers, lm-eval, vLLM / SGLang export, llama.cpp),
+bench, bundled. The command line: `mlaquant --help`.
 """
 
 from __future__ import annotations
