@@ -16,7 +16,6 @@ import torch
 from mlaquant.errors import MLAQuantError
 from mlaquant.modeling.model import MLAModel
 from mlaquant.modeling.stream import StreamedModel
-from mlaquant.quant.ranges import percentile_bounds
 
 
 @dataclass
@@ -36,10 +35,6 @@ class LatentStats:
     def sample(self) -> torch.Tensor:
         """The kept subsample of rows [n, d_c + d_r]."""
         return torch.cat(self.rows)
-
-    def percentile_bounds(self, q: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-channel (lo, hi) at quantiles (1 − q, q) of the subsample, widened to include 0."""
-        return percentile_bounds(self.sample(), q)
 
 
 class LatentObserver:
