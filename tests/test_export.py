@@ -267,6 +267,7 @@ def test_checkpoint_kv_scales_are_found_and_refused_for_sglang(ckpt, fp8_plan, t
                             "model.layers.0.self_attn.kv_a_proj_with_mqa.weight": "a.safetensors"}}
     (tmp_path / "src").mkdir()
     (tmp_path / "src/model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "src/a.safetensors").touch()  # the shard the index names (only the index is read)
     assert export_module.checkpoint_kv_scales(tmp_path / "src") == ["model.layers.0.self_attn.k_proj.k_scale"]
     assert export_module.checkpoint_kv_scales(ckpt) == []
     monkeypatch.setattr(export_module, "checkpoint_kv_scales", lambda d: ["model.layers.0.self_attn.k_proj.k_scale"])

@@ -113,7 +113,6 @@ def test_cpu_int8_matmul_every_route_bit_identical_to_fp64_sums(route, shape, mo
     """backend "cpu" takes the C kernels where a vector ISA builds, torch._int_mm only where it has VNNI, the FP64
     sums otherwise (issue 29: _int_mm ~10x slower than FP32 on AVX2-only CPUs): every route gives the same bits."""
     from mlaquant.attention import native, ops
-    from mlaquant.modeling import int8_proj
 
     m, g, k, n = shape
     gen = torch.Generator().manual_seed(k + n)
@@ -126,7 +125,7 @@ def test_cpu_int8_matmul_every_route_bit_identical_to_fp64_sums(route, shape, mo
             pytest.skip("no vector ISA variant of the C kernels builds here")
         monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append("int_mm"))
     else:
-        monkeypatch.setattr(int8_proj, "_vector_kernels", lambda: None)
+        monkeypatch.setattr(native, "vector_kernels", lambda: None)
         monkeypatch.setattr(ops, "torch_int8_vnni", lambda: route == "int_mm")
     if route == "fp64":
         monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append("int_mm"))

@@ -170,6 +170,12 @@ def kernels(isa: str | None = None) -> Kernels | None:
     return None
 
 
+def vector_kernels() -> Kernels | None:
+    """`kernels()` where its variant is a vector one (`VECTOR_ISAS`), else None (scalar or not built)."""
+    k = kernels()
+    return k if k is not None and k.isa in VECTOR_ISAS else None
+
+
 def chosen_isa() -> str | None:
     """The variant `kernels()` runs here, or None where the helper is not built."""
     k = kernels()

@@ -69,8 +69,8 @@ def machine_probes(repeats: int = 5) -> dict:
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     fp32 = 2 * 1024**3 / _median(lambda: a @ b, repeats)
     a8 = torch.randint(-127, 128, (1024, 1024), dtype=torch.int8)
-    kern = native.kernels()
-    if kern is not None and kern.isa in native.VECTOR_ISAS:
+    kern = native.vector_kernels()
+    if kern is not None:
         gemm = lambda: kern.dots(a8[None], a8[None], native.KINDS[("int8", True)], 1024)  # noqa: E731
     else:
         gemm = lambda: torch._int_mm(a8, a8)  # noqa: E731
@@ -170,16 +170,14 @@ def bench_projections(batches: list[int], steps: int) -> list[dict]:
     INT32 GEMM, the FP32 epilogue) against the FP32 GEMM of the same shapes (`torch.bmm` on FP32 weights), one
     dict per (batch, projection) of `PROJECTIONS` and their sum per batch ("layer (sum)", shape None): median and
     fastest seconds of each over interleaved rounds."""
-    from mlaquant.modeling.int8_proj import grouped_int8_matmul
-    from mlaquant.quant.int8_quant import quantize_weight_per_channel
+    from mlaquant.modeling.int8_proj import grouped_int8_matmul, quantize_grouped
 
     rows = []
     for batch in batches:
         for name, g, k, n in PROJECTIONS:
             gen = torch.Generator().manual_seed(k * n + batch)
             x, w = torch.randn(batch, g, k, generator=gen), torch.randn(g, n, k, generator=gen) * k**-0.5
-            w8, ws = quantize_weight_per_channel(w.reshape(g * n, k))
-            w8, ws = w8.view(g, n, k), ws.view(g, n)
+            w8, ws = quantize_grouped(w)
             wt = w.transpose(1, 2).contiguous()  # [G, K, N]
             calls = {"int8_matmul": lambda x=x, w8=w8, ws=ws: grouped_int8_matmul(x, w8, ws, backend="cpu"),
                      "fp32": lambda x=x, wt=wt: torch.bmm(x.transpose(0, 1), wt)}

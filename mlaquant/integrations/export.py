@@ -170,16 +170,11 @@ def write_export(model_dir: Path, out: Path, report: dict, copy: bool = False) -
 
 
 def checkpoint_kv_scales(model_dir: Path) -> list[str]:
-    """Names of KV-cache scale tensors already in the checkpoint (`*.k_scale`, `*.v_scale`, `*.kv_scale`), read
-    from the shard index or the shards' headers: export links the weights as they are, so these would ship."""
-    from safetensors import safe_open
+    """Names of KV-cache scale tensors already in the checkpoint (`*.k_scale`, `*.v_scale`, `*.kv_scale`), as the
+    loader lists its tensors (`weight_files`): export links the weights as they are, so these would ship."""
+    from mlaquant.modeling.loader import weight_files
 
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = json.loads(index.read_text()).get("weight_map", {})
-    else:
-        names = [k for shard in sorted(model_dir.glob("*.safetensors")) for k in safe_open(shard, "pt").keys()]
-    return sorted(n for n in names if n.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "kv_scale"))
+    return sorted(n for n in weight_files(model_dir) if n.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "kv_scale"))
 
 
 def _check_source_scales(model_dir: Path, engine: str, force: bool) -> list[str]:

@@ -59,7 +59,7 @@ def grouped_int8_matmul(x: Tensor, w_int8: Tensor, w_scale: Tensor, backend: str
     if ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.TRITON.value:
         return ops.load_kernel("int8_gemm_grouped")(x, w_int8, w_scale, out_dtype)
     cpu = ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.CPU.value
-    kern = _vector_kernels() if cpu and x.device.type == "cpu" and k < INT32_EXACT_K else None
+    kern = native.vector_kernels() if cpu and x.device.type == "cpu" and k < INT32_EXACT_K else None
     if kern is not None:  # one C call: activation codes, exact INT32 sums and the epilogue
         return kern.w8a8(x.reshape(-1, g, k), w_int8, w_scale).to(out_dtype).reshape(*lead, g, w_int8.shape[1])
     x8, sx, _ = quantize_activation(x.reshape(-1, k))
@@ -70,11 +70,6 @@ def grouped_int8_matmul(x: Tensor, w_int8: Tensor, w_scale: Tensor, backend: str
         acc = torch.einsum("mgk,gnk->mgn", x8.double(), w_int8.double()).float()  # exact sums
     y = acc * sx.view(-1, g, 1) * w_scale
     return y.to(out_dtype).reshape(*lead, g, w_int8.shape[1])
-
-
-def _vector_kernels() -> native.Kernels | None:
-    kern = native.kernels()
-    return kern if kern is not None and kern.isa in native.VECTOR_ISAS else None
 
 
 def int_mm_sums(x8: Tensor, w_int8: Tensor) -> Tensor:
