@@ -123,3 +123,94 @@ def int8_gemm_error_bound(x: Tensor, w: Tensor, w_int8: Tensor, w_scale: Tensor,
     quant = quant + 0.5 * sx.unsqueeze(1) * w_hat.abs().sum(1)
     epilogue = 2.0**-20 * (x32.abs() @ w_hat.abs().T)
     return quant + UNIT_ROUNDOFF[y.dtype] * y.float().abs().reshape(quant.shape) + epilogue
+
+
+PV_STEP = {"digits": 1.0 / (127.0 * 256.0), "int16": (0.5 + 2.0**-7) / 32767.0}  # |ΔP·s| per unit of max |s|
+INT_KINDS = ("int8", "int4")
+
+
+def cpu_quantized_slices(codec, c_kernels: bool = True) -> list[tuple[int, int, int]]:
+    """Where `mla_decode_cpu` quantizes the query: (first channel, channels, group size) of each integer part of
+    the row, and of each stored band of a band c_kv part the C kernels read (one group per band)."""
+    from mlaquant.attention import native
+    from mlaquant.attention.cpu_decode import native_parts
+
+    slices, start = [], 0
+    for rc in (codec.ckv, codec.kpe):
+        if rc.spec.kind in INT_KINDS:
+            slices.append((start, rc.width, rc.layout.group_size))
+        elif rc.spec.kind == "band" and c_kernels and native.kernels() is not None and native_parts(rc) is not None:
+            slices += [(start + ch, cp.width, cp.width) for cp, _, ch in native_parts(rc)]
+        start += rc.width
+    return slices
+
+
+def cpu_error_bound(
+    q: Tensor, rows: list[Tensor], codec, d_c: int, scale: float,
+    row_scales: list[Tensor] | None = None, quantized_query: bool = True, c_kernels: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Worst-case |lse error| [B, H] and |out error| [B, H, d_c] of `mla_decode_cpu` against the FP32
+    reference, for q [B, H, d_c + d_r] and each sequence's decoded rows [T_b, d_c + d_r] (cpu_decode's module
+    docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + ε · Σ_c |q_c k_c|) · (1 + 2^-10) over the tokens,
+    ε = max(2^-20, (G + 4) · 2^-24) for the G groups (bands) the FP32 epilogue sums in order (the qs term only
+    when `quantized_query`: off for a query already equal to its quantized value), Δout = (e^(2 Δs) − 1 + 2^-12)
+    · max_t |v[t, c]| + the P·V term of a c_kv on its codes (`pv_kind`), e^(4 Δs) · step · M_g(c) · Σ_t |q_t,c| /
+    Σ_t p_t: M_g = max_t |s_t,g| of `row_scales[b]` fp32 [T_b, n_g] (the stored c_kv scales, one per group or
+    stored band; required for such a part), step = (1/2 + 2^-7) / 32767 for the int16 P of the C kernels
+    (rounding plus the FP32 product p · s · 32767 / M), 1 / (127 · 256) for the torch ops' two int8 digits
+    (row-wise only), p_t = e^(score_t − max); |q_t,c| = |v_t,c| / |s_t,g| for symmetric codes, the codes' bound
+    for asymmetric ones (128 int8, 15 int4: their zero points are added apart)."""
+    from mlaquant.attention.cpu_decode import pv_kind
+
+    kind = pv_kind(codec, c_kernels)
+    if kind != "fp32" and row_scales is None:
+        raise ValueError(f"cpu_error_bound: codec {codec.name} decodes P·V on the codes; pass row_scales")
+    slices = cpu_quantized_slices(codec, c_kernels)
+    eps = max(2.0**-20, (sum(w // g for _, w, g in slices) + 4) * 2.0**-24)
+    d_score, d_out = [], []
+    for b, (qb, kv) in enumerate(zip(q.float(), rows)):
+        heads = qb.shape[0]
+        if not kv.shape[0]:
+            d_score.append(torch.zeros(heads, device=q.device))
+            d_out.append(torch.zeros(heads, d_c, device=q.device))
+            continue
+        k_abs = kv.abs()
+        bound = (qb.abs() @ k_abs.t()) * eps  # [H, T]: FP32 products and sums
+        for start, w, g in slices if quantized_query else ():
+            _, qs = quantize_query(qb[:, start : start + w], g)  # [H, w / g]
+            bound += (qs / 2) @ k_abs[:, start : start + w].unflatten(-1, (-1, g)).sum(-1).t()
+        ds = scale * (1 + 2.0**-10) * bound.amax(-1)
+        out = (torch.expm1(2 * ds) + 2.0**-12).unsqueeze(-1) * kv[:, :d_c].abs().amax(0)
+        if kind != "fp32":
+            out += _code_pv_bound(qb, kv, codec, d_c, scale, row_scales[b], ds, PV_STEP[kind])
+        d_score.append(ds)
+        d_out.append(out)
+    return torch.stack(d_score), torch.stack(d_out)
+
+
+def _channel_scales(codec, s: Tensor) -> Tensor:
+    """|s| of each c_kv channel's group (or band; 0 for a 0-bit band's channels), fp32 [T, d_c], from the stored
+    scales s fp32 [T, n_g]."""
+    s = s.reshape(s.shape[0], -1).abs()
+    if codec.ckv.spec.kind != "band":
+        return s.repeat_interleave(codec.ckv.layout.group_size, dim=1)
+    cols, k = [], 0
+    for bits, w in codec.ckv.spec.bands:
+        cols.append(s[:, k : k + 1].expand(-1, w) if bits else s.new_zeros(s.shape[0], w))
+        k += bool(bits)
+    return torch.cat(cols, dim=1)
+
+
+def _code_pv_bound(q: Tensor, kv: Tensor, codec, d_c: int, scale: float, s: Tensor, ds: Tensor,
+                   step: float) -> Tensor:
+    """The P·V-on-the-codes term of `cpu_error_bound` for one sequence (s fp32 [T, n_g]): [H, d_c]."""
+    scores = (q @ kv.t()) * scale  # [H, T]
+    p = (scores - scores.amax(-1, keepdim=True)).exp()
+    per_channel = _channel_scales(codec, s)  # [T, d_c]: |s_t,g(c)|
+    if codec.ckv.spec.symmetric:
+        safe = torch.where(per_channel > 0, per_channel, torch.ones_like(per_channel))
+        sum_q = (kv[:, :d_c].abs() / safe).sum(0)  # [d_c]
+    else:
+        sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 15.0) * kv.shape[0], device=kv.device)
+    top = per_channel.amax(0) * step  # [d_c]: M_g(c) · step
+    return (torch.exp(4 * ds) / p.sum(-1)).unsqueeze(-1) * (top * sum_q)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from mlaquant import DecodeSession
+from mlaquant.attention import native
+from mlaquant.attention.cpu_decode import pv_kind
 from mlaquant.calib.transform import allocate_bands, band_spec, principal_rotation
 from mlaquant.evaluation.eval import fake_quant_hook
 from mlaquant.quant.band_codecs import pack, unpack
@@ -102,9 +104,11 @@ def test_pca_band_plan_round_trips_and_decodes_as_teacher_forced(tiny_model, tmp
     steps = [session.prefill(ids[:, :1])[0, 0]]
     steps += [session.decode(ids[:, t])[0] for t in range(1, ids.shape[1])]
     assert (torch.stack(steps) - teacher).abs().max() < 1e-5
-    # the fast path decodes bands too: its only approximation is the INT8 query of the integer k_pe part
-    # (its bound: tests/test_cpu_decode.py), so the next-token choices are the same
+    # the fast path decodes bands too, on their codes where the C kernels build (one integer part per band): its
+    # approximations are the INT8 query per band and of k_pe and the int16 P (their bound: tests/test_cpu_decode.py),
+    # so the next-token choices are the same
     fast = DecodeSession(tiny_model, plan=tmp_path / "p", backend="cpu")
+    assert pv_kind(fast.codecs[0]) == ("int16" if native.kernels() is not None else "fp32")
     fast_steps = [fast.prefill(ids[:, :1])[0, 0]] + [fast.decode(ids[:, t])[0] for t in range(1, ids.shape[1])]
     assert torch.equal(torch.stack(fast_steps).argmax(-1), teacher.argmax(-1))
     assert (torch.stack(fast_steps) - teacher).abs().max() < 5e-2

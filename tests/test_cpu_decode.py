@@ -10,13 +10,13 @@ import torch
 
 from mlaquant import DecodeSession
 from mlaquant.attention import native, ops
-from mlaquant.attention.cpu_decode import error_bound, mla_decode_cpu, pv_kind
+from mlaquant.attention.cpu_decode import mla_decode_cpu, pv_kind, quantize_query
 from mlaquant.attention.ops import mla_decode, mla_decode_reference, resolve_backend
 from mlaquant.errors import BackendError
 from mlaquant.modeling.int8_proj import grouped_int8_matmul, quantize_grouped
-from mlaquant.quant.codecs import LayerCodec
+from mlaquant.quant.codecs import LayerCodec, packed_as
 from mlaquant.runtime.session import generate
-from tests.reference import effective_query
+from tests.reference import cpu_error_bound, cpu_quantized_slices
 
 D_C, D_R, H, PAGE = 64, 16, 4, 16
 SCALE = 0.17
@@ -32,6 +32,9 @@ CODECS = [
     ("int4-row", "int4-row"),
     ("int8-row-asym", "int4-g16"),
     ("int4-row-asym", "fp16"),
+    ("band-8x16-4x16-3x16-2x8-0x8", "int8-row"),  # every band width, k_pe integer: in place
+    ("band-4x24-3x24-2x16", "int4-row"),  # odd bytes before k_pe, 3-bit tail chunks
+    ("band-0x16-3x32-2x16", "fp16"),  # a float k_pe: the blocks' path
 ]
 LENS = [37, 1, 0, 70, 16]
 
@@ -64,12 +67,22 @@ def _cache(codec: LayerCodec, lens: list[int], seed: int = 0):
 def _row_scales(codec: LayerCodec, rows: torch.Tensor) -> torch.Tensor | None:
     """The stored FP16 scales of each row's c_kv part, fp32 [T, n_groups] (None unless the part is integer)."""
     lay = codec.ckv.layout
-    if codec.ckv.spec.kind not in ("int8", "int4"):
+    if codec.ckv.spec.kind not in ("int8", "int4", "band"):
         return None
     if not len(rows):
         return torch.zeros(0, lay.n_groups)
-    return codec.ckv.encode(rows[:, :D_C])[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups].contiguous(
-        ).view(torch.float16).float()
+    return packed_as(codec.ckv.encode(rows[:, :D_C])[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups],
+                     torch.float16).float()
+
+
+def _effective_query(q: torch.Tensor, codec: LayerCodec, c_kernels: bool) -> torch.Tensor:
+    """The query the fast path's scores use, FP32 [B, H, d_c + d_r]: q8 · qs on every slice it quantizes
+    (`cpu_quantized_slices`: integer parts, and each band of a band c_kv the C kernels read), float parts as given."""
+    x = q.float().clone()
+    for start, w, g in cpu_quantized_slices(codec, c_kernels):
+        q8, qs = quantize_query(x[..., start : start + w], g)
+        x[..., start : start + w] = (q8.float().unflatten(-1, (-1, g)) * qs.unsqueeze(-1)).flatten(-2)
+    return x
 
 
 @pytest.mark.parametrize("names", CODECS, ids=lambda n: "/".join(n))
@@ -83,21 +96,21 @@ def test_fast_path_within_stated_bound_of_reference(names, block_tokens, group, 
     out, lse = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=block_tokens, group=group,
                               c_kernels=c_kernels)
     ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
-    d_lse, d_out = error_bound(q, decoded, codec, D_C, SCALE, scales, c_kernels=c_kernels)
+    d_lse, d_out = cpu_error_bound(q, decoded, codec, D_C, SCALE, scales, c_kernels=c_kernels)
     assert torch.isfinite(out).all()
     empty = lens == 0
     assert (out[empty] == 0).all() and torch.isneginf(lse[empty]).all()
     assert ((lse - ref_lse)[~empty].abs() <= d_lse[~empty]).all()
     assert ((out - ref_out).abs() <= d_out).all()
-    integer = any(rc.spec.kind in ("int8", "int4") for rc in (codec.ckv, codec.kpe))
-    if integer:  # the bound is not vacuous: the query quantization is its main term
+    if cpu_quantized_slices(codec, c_kernels):  # the bound is not vacuous: the query quantization is its main term
         assert (out - ref_out).abs().max() > 1e-6
     # without the query quantization, the scores are exact up to FP32 rounding (the INT32 dots are exact)
     # and the output moves only by FP32 rounding and, for row-wise integer c_kv, the P·V digit term
-    q_eff = effective_query(q, codec, fp16_query=False)
+    q_eff = _effective_query(q, codec, c_kernels)
     ref_out, ref_lse = mla_decode_reference(q_eff, pool, table, lens, codec, D_C, SCALE)
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
-    _, d_exact = error_bound(q_eff, decoded, codec, D_C, SCALE, scales, quantized_query=False, c_kernels=c_kernels)
+    _, d_exact = cpu_error_bound(q_eff, decoded, codec, D_C, SCALE, scales, quantized_query=False,
+                                 c_kernels=c_kernels)
     assert ((out - ref_out).abs() <= d_exact + 2e-5).all()
     if pv_kind(codec, c_kernels) != "fp32":  # the P·V term is not vacuous: a coarser P would break it
         assert (out - ref_out).abs().max() > 1e-6

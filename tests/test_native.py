@@ -114,7 +114,9 @@ def test_forced_isa_the_cpu_cannot_run_is_one_clear_error(fresh_native_build):
 
 @needs_compiler
 @pytest.mark.parametrize("names", [("int8-row", "int8-row"), ("int4-g16-asym", "int4-row-asym"),
-                                   ("int4-g32", "int8-row"), ("int8-g16-asym", "fp16")], ids="/".join)
+                                   ("int4-g32", "int8-row"), ("int8-g16-asym", "fp16"),
+                                   ("band-8x16-4x16-3x16-2x8-0x8", "int8-row"), ("band-0x16-3x32-2x16", "fp16")],
+                         ids="/".join)
 def test_fast_path_bit_identical_under_every_isa_variant(names, fresh_native_build):
     """The whole call, each variant this CPU runs forced in turn: the same bits (same integer sums, same FP32
     operations in the same order); and not the torch-ops path's (int16 P instead of two int8 digits)."""

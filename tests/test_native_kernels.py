@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from mlaquant.attention import native
-from mlaquant.quant.codecs import CodecSpec, RowCodec
+from mlaquant.attention.cpu_decode import native_parts
+from mlaquant.quant import band_codecs
+from mlaquant.quant.codecs import CodecSpec, RowCodec, packed_as
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch ops run instead")
 
@@ -32,11 +34,17 @@ ISAS = pytest.mark.parametrize("isa", native.ISAS)
 # (codec, width): int8/int4 sym/asym, row-wise and grouped, widths with tails past whole 32- and 16-channel chunks
 PARTS = [("int8-row", 48), ("int8-row-asym", 12), ("int4-row", 160), ("int4-row-asym", 48), ("int8-g16", 48),
          ("int8-g32-asym", 160), ("int4-g16", 48), ("int4-g32-asym", 160), ("int4-g64", 512), ("int8-row", 512)]
+# one band of a band codec: a row-wise part of 3- or 2-bit codes (a bit stream); whole chunks, 8/16/24-channel tails
+BAND_PARTS = [("band-3x48", 48), ("band-3x40", 40), ("band-3x160", 160), ("band-2x24", 24), ("band-2x160", 160),
+              ("band-2x48", 48)]
 
 
 def codes_of(rc: RowCodec, raw: torch.Tensor) -> torch.Tensor:
     """The codes c' as they enter the dots (int8 sym q, asym q - 128; int4 sym nibble - 8, asym nibble), int64."""
     width, kind, sym = rc.width, rc.spec.kind, rc.spec.symmetric
+    if kind == "band":  # one band: u - 2^(bits - 1)
+        (bits, _), = rc.spec.bands
+        return band_codecs.unpack(raw[:, : rc.layout.code_bytes], bits, width).long() - (1 << (bits - 1))
     if kind == "int8":
         return raw[:, :width].contiguous().view(torch.int8).long() if sym else raw[:, :width].long() - 128
     b = raw[:, : width // 2].long()
@@ -46,7 +54,7 @@ def codes_of(rc: RowCodec, raw: torch.Tensor) -> torch.Tensor:
 def params_of(rc: RowCodec, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(s fp32 [n, G], zp fp32 [n, G] | None): lo + 128 s for int8 asym, lo for int4 asym."""
     lay = rc.layout
-    s = raw[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups].contiguous().view(torch.float16).float()
+    s = packed_as(raw[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups], torch.float16).float()
     if rc.spec.symmetric:
         return s, None
     lo = raw[:, lay.zero_offset : lay.zero_offset + 2 * lay.n_groups].contiguous().view(torch.float16).float()
@@ -54,9 +62,9 @@ def params_of(rc: RowCodec, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def part_of(rc: RowCodec) -> native.Part:
-    lay = rc.layout
-    return native.Part(native.KINDS[(rc.spec.kind, rc.spec.symmetric)], rc.width, lay.group_size, lay.scale_offset,
-                       lay.zero_offset or 0)
+    (part, offset, channel), = native_parts(rc)  # one integer part, or the one band of a band part
+    assert offset == channel == 0
+    return part
 
 
 def _block(name: str, width: int, n: int, seed: int, paged: bool):
@@ -83,7 +91,7 @@ def _block(name: str, width: int, n: int, seed: int, paged: bool):
 
 def test_codes_cover_the_extreme_levels_and_negative_scales():
     """The test data holds what must be exact: sym codes -128 / -8 and negative scales (`symmetric_codes`)."""
-    for name, low in (("int8-row", -128), ("int4-g16", -8)):
+    for name, low in (("int8-row", -128), ("int4-g16", -8), ("band-3x48", -4), ("band-2x48", -2)):
         rc, raw, _ = _block(name, 48, 40, 0, False)
         assert codes_of(rc, raw).min() == low
         assert (params_of(rc, raw)[0] < 0).any()
@@ -106,6 +114,23 @@ def test_dots_exact_int32(isa, kind, k):
     assert got.dtype == torch.int32 and torch.equal(got.double(), want)
 
 
+@ISAS
+@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("k", [8, 24, 40, 160, 2048])
+def test_dots_exact_int32_on_bit_stream_codes(isa, bits, k):
+    """dots of int8 a with 3- and 2-bit codes (every code value, byte-misaligned fields, short tails) = float64
+    matmul of a with the unpacked codes u - 2^(bits - 1)."""
+    kern = _variant(isa)
+    g = torch.Generator().manual_seed(k + bits)
+    nbytes = k * bits // 8
+    a = torch.randint(-128, 128, (2, 5, k + 3), dtype=torch.int8, generator=g)[:, :, 1 : 1 + k]
+    w = torch.randint(0, 256, (2, 19, nbytes + 5), dtype=torch.uint8, generator=g)[:, :, 3 : 3 + nbytes]
+    got = kern.dots(a, w, native.BAND_KINDS[bits], k)
+    codes = [band_codecs.unpack(w[b], bits, k).double() - (1 << (bits - 1)) for b in range(2)]
+    want = torch.stack([a[b].double() @ codes[b].t() for b in range(2)])
+    assert torch.equal(got.double(), want)
+
+
 def scores_reference(rc, raw, q8, qs, init=None):
     """The scores' formula in torch, FP32 operation by operation: v = init or 0; per group g in order
     v += (qs_g · s_g) · float(dot_g) (+ (Σq8_g · qs_g) · zp_g for asymmetric codes); dot_g exact via float64."""
@@ -123,7 +148,7 @@ def scores_reference(rc, raw, q8, qs, init=None):
 
 
 @ISAS
-@pytest.mark.parametrize("name, width", PARTS)
+@pytest.mark.parametrize("name, width", PARTS + BAND_PARTS)
 @pytest.mark.parametrize("paged", [False, True])
 def test_scores_bit_identical_to_torch_formula(isa, name, width, paged):
     kern = _variant(isa)
@@ -190,7 +215,7 @@ def pv_reference(rc, raw, probs, acc):
 
 
 @ISAS
-@pytest.mark.parametrize("name, width", PARTS)
+@pytest.mark.parametrize("name, width", PARTS + BAND_PARTS)
 @pytest.mark.parametrize("n", [1, 77, 600])  # one token; odd tails; chunks of 256 tokens summed
 def test_pv_bit_identical_to_torch_formula(isa, name, width, n):
     kern = _variant(isa)
@@ -207,7 +232,7 @@ def test_pv_bit_identical_to_torch_formula(isa, name, width, n):
 
 @ISAS
 @pytest.mark.parametrize("name, width", [("int8-row", 160), ("int8-g16-asym", 48), ("int4-g32", 160),
-                                         ("int4-row-asym", 12)])
+                                         ("int4-row-asym", 12), ("band-3x40", 40), ("band-2x48", 48)])
 def test_pv_sums_exact_at_the_int16_extremes(isa, name, width):
     """P = ±32767 everywhere over 600 tokens (chunks of 256 at the INT32 limit, then FP64) with every code's
     extreme: the sums equal the float64 matmul exactly."""
@@ -223,7 +248,7 @@ def test_pv_sums_exact_at_the_int16_extremes(isa, name, width):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name, width", PARTS[:6])
+@pytest.mark.parametrize("name, width", PARTS[:6] + BAND_PARTS[:2])
 def test_every_variant_gives_the_same_bits(name, width):
     """Across the variants this CPU runs: scores and P·V outputs bit for bit (the FP32 operations are the same)."""
     runs = [isa for isa in native.ISAS if native.runnable(isa)]

@@ -42,9 +42,13 @@ Error against the FP32 reference (`mla_decode_reference`, the same quantized cac
            the torch ops' two int8 digits.
   lse      |Δlse| ≤ Δs = max_t |Δscore[t]| (+ FP32 rounding and the kernels' exp2: 2^-21 relative in the sum).
 
-`error_bound` computes the lse and output bounds of a call for the path that runs (`pv_kind`);
-tests/test_cpu_decode.py checks the outputs against them (ragged batch, NaN-filled free slots and blocks, permuted
-block tables), both with the C kernels and with torch ops.
+A band c_kv part read by the C kernels (`native_parts`) is one integer part per stored band (row-wise, its own
+FP16 scale): the query quantized per band, the bands' INT32 dots summed in the epilogue in band order, P·V on each
+band's codes into its channels (0-bit bands: zeros) — the terms above with one group per band.
+
+`cpu_error_bound` (tests/reference.py) computes the lse and output bounds of a call for the path that runs
+(`pv_kind`); tests/test_cpu_decode.py checks the outputs against them (ragged batch, NaN-filled free slots and
+blocks, permuted block tables), both with the C kernels and with torch ops.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ from torch import Tensor
 
 from mlaquant.attention import native
 from mlaquant.attention.decode_inputs import DecodeInputs, gather_pages
-from mlaquant.quant.codecs import CodecSpec, LayerCodec, RowCodec
+from mlaquant.quant.codecs import CodecSpec, LayerCodec, RowCodec, packed_as
 
 BLOCK_TOKENS = 1024  # tokens per sequence and block of a float c_kv (an FP32 block: 2.25 MiB at d 576)
 GROUPED_BLOCK_TOKENS = 2048  # a grouped integer c_kv: int8 codes in, FP32 values only for P·V
@@ -70,12 +74,34 @@ def block_tokens_for(codec: LayerCodec, c_kernels: bool = True) -> int:
     """Tokens per sequence and block for `codec` (`mlaquant bench decode --batch 16 --fast-blocks`): an integer
     c_kv read by the C kernels needs no FP32 block, so it takes `INT_BLOCK_TOKENS` grouped or not."""
     ckv = codec.ckv
+    kernels = c_kernels and native.kernels() is not None
     if ckv.spec.kind not in _INT_KINDS:
-        return BLOCK_TOKENS
-    if ckv.layout.n_groups == 1 or (c_kernels and native.kernels() is not None):
+        return INT_BLOCK_TOKENS if kernels and native_parts(ckv) is not None else BLOCK_TOKENS
+    if ckv.layout.n_groups == 1 or kernels:
         return INT_BLOCK_TOKENS
     return GROUPED_BLOCK_TOKENS
 _INT_KINDS = ("int8", "int4")
+
+
+def native_parts(rc: RowCodec) -> list[tuple[native.Part, int, int]] | None:
+    """How the C kernels read part `rc`: [(part, its byte offset in `rc`'s bytes, its first channel)] — one for an
+    integer part, one per stored band of a band part (row-wise codes of 8, 4, 3 or 2 bits, its FP16 scale after
+    every band's codes; 0-bit bands have none); None where they cannot (a float part, or more bands than a call
+    takes beside k_pe)."""
+    lay = rc.layout
+    if rc.spec.kind in _INT_KINDS:
+        kind = native.KINDS[(rc.spec.kind, rc.spec.symmetric)]
+        return [(native.Part(kind, rc.width, lay.group_size, lay.scale_offset, lay.zero_offset or 0), 0, 0)]
+    if rc.spec.kind != "band":
+        return None
+    parts, offset, channel = [], 0, 0
+    for bits, w in rc.spec.bands:
+        if bits:
+            scale = lay.code_bytes + 2 * len(parts)
+            parts.append((native.Part(native.BAND_KINDS[bits], w, w, scale - offset, 0), offset, channel))
+            offset += bits * w // 8
+        channel += w
+    return parts if 0 < len(parts) < native.MAX_PARTS else None
 
 
 def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
@@ -168,13 +194,12 @@ class _Part:
         self.is_int = rc.spec.kind in _INT_KINDS
         self.asym = self.is_int and not rc.spec.symmetric  # values codes · s + lo', lo' per row and group
         # the C kernels (`mlaquant.attention.native`) read the part's stored codes, scales and zero points themselves:
-        # channels in their stored order, no unpack, no bias
-        self.kern = native.kernels() if c_kernels and self.is_int and device.type == "cpu" else None
+        # channels in their stored order, no unpack, no bias; a band part as one C part per stored band (`cparts`)
+        self.cparts = native_parts(rc) if c_kernels and device.type == "cpu" else None
+        self.kern = native.kernels() if self.cparts is not None else None
         if self.kern is not None:
-            lay = rc.layout
-            self.cpart = native.Part(native.KINDS[(rc.spec.kind, rc.spec.symmetric)], rc.width, lay.group_size,
-                                     lay.scale_offset, lay.zero_offset or 0)
-            self.native, self.bias, self.perm, self.n_g, self.g = None, 0, None, lay.n_groups, lay.group_size
+            self.is_int = True
+            self.native, self.bias, self.perm = None, 0, None
             return
         # int4 codes from the C unpack (None: not asked for or not built, torch ops); symmetric ones read
         # unsigned by torch ops are q + 8, and the GEMMs' INT32 sums take − 8 · Σ (exact)
@@ -202,8 +227,8 @@ class _Part:
         stored = part[:, offset : offset + 2 * n]
         try:  # a strided FP16 view of the rows where the byte offsets are even: one pass, no copy
             vals = stored.view(torch.float16).float()
-        except RuntimeError:
-            vals = stored.contiguous().view(torch.float16).float()
+        except RuntimeError:  # an odd offset (a band c_kv of odd bytes before k_pe): a fresh copy
+            vals = packed_as(stored, torch.float16).float()
         return vals if n == self.n_g else torch.cat([vals, vals], dim=1)  # half-groups share their group's
 
     def params(self, part: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -247,9 +272,9 @@ class _Part:
         stays the kernel's."""
         if not self.is_int:
             return (x * factor).contiguous()
-        if self.kern is not None:  # (q8 int8 [B, H, W], qs · factor fp32 [B, H, n_g]), stored channel order
-            q8, qs = quantize_query(x, self.rc.layout.group_size)
-            return q8.contiguous(), (qs * factor).contiguous()
+        if self.kern is not None:  # per C part: (q8 int8 [B, H, w], qs · factor fp32 [B, H, n_g]), stored order
+            quantized = (quantize_query(x[..., ch : ch + cp.width], cp.group_size) for cp, _, ch in self.cparts)
+            return [(q8.contiguous(), (qs * factor).contiguous()) for q8, qs in quantized]
         batch, heads, _ = x.shape
         q8, qs = self.quantized_query(x)  # [B, H, W], [B, H, n_g]
         qs = qs * factor
@@ -328,9 +353,9 @@ class _BlockRows:
     def __init__(self, t: int, n_valid: list[int], raw: Tensor, invalid: Tensor | None = None) -> None:
         self.a, self.t, self.n_valid, self.raw, self.invalid = len(n_valid), t, n_valid, raw, invalid
 
-    def rows(self, i: int) -> native.Rows:
-        """Where sequence i's rows lie (their first byte), for the C kernels."""
-        return native.Rows(self.raw[i], 0, self.raw.stride(1))
+    def rows(self, i: int, offset: int = 0) -> native.Rows:
+        """Where sequence i's rows lie (their byte `offset`), for the C kernels."""
+        return native.Rows(self.raw[i], offset, self.raw.stride(1))
 
 
 class _Group:
@@ -363,7 +388,8 @@ class _Group:
                 out = self.ws.get(p.name + ".scores", (a, self.acc.shape[1], t), torch.float32) if scores is None \
                     else scores
                 for i in range(a):
-                    mine = [(pk.cpart, pk.offset, qk[0][i], qk[1][i]) for pk, qk in both]
+                    mine = [(cp, pk.offset + off, q8[i], qs[i]) for pk, qk in both
+                            for (cp, off, _), (q8, qs) in zip(pk.cparts, qk)]
                     p.kern.scores(blk.rows(i), t, mine, out[i], scores is not None)  # zeroed rows past the end: masked
                 scores = out
                 continue
@@ -407,9 +433,10 @@ class _Group:
             acc.mul_(alpha.unsqueeze(-1))
             m_old.copy_(m)
         p = self.parts[0]
-        if values is None:  # C: P·V on the codes of the rows where they are (row-wise or grouped)
+        if values is None:  # C: P·V on the codes of the rows where they are (row-wise, grouped or each band)
             for i in range(a):
-                p.kern.pv(blk.rows(i), blk.n_valid[i], p.cpart, probs[i], acc[i])
+                for cp, off, ch in p.cparts:
+                    p.kern.pv(blk.rows(i, off), blk.n_valid[i], cp, probs[i], acc[i][:, ch:])
         elif isinstance(values, Tensor):
             acc.baddbmm_(probs, values)
         elif p.n_g == 1:
@@ -538,8 +565,10 @@ def mla_decode_cpu(
     acc = ws.get("acc", (n, heads, d_c), torch.float32).zero_()  # a reused buffer: no fresh pages to fault in
     if in_place and n:
         block_tokens = max(pool.shape[1], block_tokens // pool.shape[1] * pool.shape[1])
+        c_parts = [(cp, p.offset + off, q8, qs) for p, qp in zip(parts, queries)
+                   for (cp, off, _), (q8, qs) in zip(p.cparts, qp)]
         parts[0].kern.decode(pool, [torch.tensor(pages[b], dtype=torch.int64) for b in order], [lens[b] for b in order],
-                             block_tokens, [(p.cpart, p.offset, *qp) for p, qp in zip(parts, queries)], acc, m, total)
+                             block_tokens, c_parts, acc, m, total, tuple(ch for _, _, ch in parts[0].cparts))
     for g0 in range(0, 0 if in_place else n, group):  # torch-op blocks: gathered rows, in groups of sequences
         seqs = order[g0 : g0 + group]
         state = (m[g0 : g0 + len(seqs)], total[g0 : g0 + len(seqs)], acc[g0 : g0 + len(seqs)])
@@ -551,83 +580,19 @@ def mla_decode_cpu(
 
 
 def _rows(query, begin: int, end: int):
-    """Sequences [begin, end) of a part's batched `_Part.query` (a tensor, or a tuple of tensors / None)."""
+    """Sequences [begin, end) of a part's batched `_Part.query` (a tensor, a tuple of tensors / None, or the C
+    parts' list of (q8, qs))."""
+    if isinstance(query, list):
+        return [(q8[begin:end], qs[begin:end]) for q8, qs in query]
     return query[begin:end] if isinstance(query, Tensor) else tuple(x if x is None else x[begin:end] for x in query)
 
 
 def pv_kind(codec: LayerCodec, c_kernels: bool = True) -> str:
     """How `mla_decode_cpu` runs P·V of `codec`'s c_kv: "int16" (the C kernels, an integer c_kv row-wise or grouped),
     "digits" (torch ops, a row-wise integer c_kv: two int8 digits), or "fp32"."""
+    kernels = c_kernels and native.kernels() is not None
     if codec.ckv.spec.kind not in _INT_KINDS:
-        return "fp32"
-    if c_kernels and native.kernels() is not None:
+        return "int16" if kernels and native_parts(codec.ckv) is not None else "fp32"
+    if kernels:
         return "int16"
     return "digits" if codec.ckv.layout.n_groups == 1 else "fp32"
-
-
-PV_STEP = {"digits": 1.0 / (127.0 * 256.0), "int16": (0.5 + 2.0**-7) / 32767.0}  # |ΔP·s| per unit of max |s|
-
-
-def error_bound(
-    q: Tensor, rows: list[Tensor], codec: LayerCodec, d_c: int, scale: float,
-    row_scales: list[Tensor] | None = None, quantized_query: bool = True, c_kernels: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """Worst-case |lse error| [B, H] and |out error| [B, H, d_c] of `mla_decode_cpu` against the FP32
-    reference, for q [B, H, d_c + d_r] and each sequence's decoded rows [T_b, d_c + d_r] (module
-    docstring): Δs = scale · (Σ_g qs_g/2 · Σ_c∈g |k_c| + ε · Σ_c |q_c k_c|) · (1 + 2^-10) over the tokens,
-    ε = max(2^-20, (G + 4) · 2^-24) for the G groups of both parts summed in order by the FP32 epilogue (the qs
-    term only when `quantized_query`: off for a query already equal to its quantized value), Δout = (e^(2 Δs) −
-    1 + 2^-12) · max_t |v[t, c]| + the P·V term of an integer c_kv on its codes (`pv_kind`), e^(4 Δs) · step ·
-    M_g(c) · Σ_t |q_t,c| / Σ_t p_t: M_g = max_t |s_t,g| of `row_scales[b]` fp32 [T_b, n_g] (the stored c_kv
-    scales; required for such a part), step = (1/2 + 2^-7) / 32767 for the int16 P of the C kernels (rounding
-    plus the FP32 product p · s · 32767 / M), 1 / (127 · 256) for the torch ops' two int8 digits (row-wise only),
-    p_t = e^(score_t − max); |q_t,c| = |v_t,c| / |s_t,g| for symmetric codes, the codes' bound for asymmetric
-    ones (128 int8, 15 int4: their zero points are added apart)."""
-    kind = pv_kind(codec, c_kernels)
-    if kind != "fp32" and row_scales is None:
-        raise ValueError(f"error_bound: codec {codec.name} decodes P·V on the codes; pass row_scales")
-    groups = sum(rc.layout.n_groups for rc in (codec.ckv, codec.kpe) if rc.spec.kind in _INT_KINDS)
-    eps = max(2.0**-20, (groups + 4) * 2.0**-24)
-    d_score, d_out = [], []
-    for b, (qb, kv) in enumerate(zip(q.float(), rows)):
-        heads = qb.shape[0]
-        if not kv.shape[0]:
-            d_score.append(torch.zeros(heads, device=q.device))
-            d_out.append(torch.zeros(heads, d_c, device=q.device))
-            continue
-        k_abs = kv.abs()
-        bound = (qb.abs() @ k_abs.t()) * eps  # [H, T]: FP32 products and sums
-        for rc, sl in ((codec.ckv, slice(0, d_c)), (codec.kpe, slice(d_c, None))):
-            g = rc.layout.group_size
-            if rc.spec.kind in _INT_KINDS and quantized_query:
-                _, qs = quantize_query(qb[:, sl], g)  # [H, n_g]
-                bound += (qs / 2) @ _grouped(k_abs[:, sl], g).sum(-1).t()
-        ds = scale * (1 + 2.0**-10) * bound.amax(-1)
-        out = (torch.expm1(2 * ds) + 2.0**-12).unsqueeze(-1) * kv[:, :d_c].abs().amax(0)
-        if kind != "fp32":
-            out += _code_pv_bound(qb, kv, codec, d_c, scale, row_scales[b], ds, PV_STEP[kind])
-        d_score.append(ds)
-        d_out.append(out)
-    return torch.stack(d_score), torch.stack(d_out)
-
-
-def _grouped(x: Tensor, group_size: int) -> Tensor:
-    """[..., W] → [..., W / group_size, group_size]."""
-    return x.unflatten(-1, (-1, group_size))
-
-
-def _code_pv_bound(q: Tensor, kv: Tensor, codec: LayerCodec, d_c: int, scale: float, s: Tensor, ds: Tensor,
-                   step: float) -> Tensor:
-    """The P·V-on-the-codes term of `error_bound` for one sequence (s fp32 [T, n_g]): [H, d_c]."""
-    scores = (q @ kv.t()) * scale  # [H, T]
-    p = (scores - scores.amax(-1, keepdim=True)).exp()
-    gs = codec.ckv.layout.group_size
-    s = s.reshape(kv.shape[0], -1).abs()
-    per_channel = s.repeat_interleave(gs, dim=1)  # [T, d_c]: |s_t,g(c)|
-    if codec.ckv.spec.symmetric:
-        safe = torch.where(per_channel > 0, per_channel, torch.ones_like(per_channel))
-        sum_q = (kv[:, :d_c].abs() / safe).sum(0)  # [d_c]
-    else:
-        sum_q = torch.full((d_c,), (128.0 if codec.ckv.spec.kind == "int8" else 15.0) * kv.shape[0], device=kv.device)
-    top = per_channel.amax(0) * step  # [d_c]: M_g(c) · step
-    return (torch.exp(4 * ds) / p.sum(-1)).unsqueeze(-1) * (top * sum_q)

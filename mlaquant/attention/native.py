@@ -59,6 +59,8 @@ AUTO_ORDER = ("avx512vnni", "avxvnni", "avx2")
 CAPABILITY_ALLOWS = {"AVX512": set(ISAS), "AVX2": {"scalar", "avx2", "avxvnni"}}  # others: scalar only
 VECTOR_ISAS = ("avx2", "avx512vnni", "avxvnni")
 KINDS = {("int8", True): 0, ("int8", False): 1, ("int4", True): 2, ("int4", False): 3}  # (kind, symmetric) → C
+BAND_KINDS = {8: 0, 4: 2, 3: 4, 2: 5}  # a band's bits → C kind (symmetric codes; 3 and 2 bits a bit stream)
+MAX_PARTS = 8  # parts per scores call (decode_kernels.c): a band c_kv's stored bands, then k_pe
 
 
 def _compile(compiler: str, sources: list[Path], flags: list[str], out: Path) -> str | None:
@@ -81,7 +83,7 @@ _SIGNATURES = {
     "mlaq_pv": [_P, _P, _I64, _I64, _I64, _INT, _I64, _I64, _I64, _I64, _P, _I64, _I64, _P, _I64, _P, _P, _P, _INT,
                 _INT],
     "mlaq_exp2": [_P, _I64, ctypes.c_float, _P, _P],
-    "mlaq_decode": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P, _P, _P, _I64, _P, _I64, _P, _P, _INT],
+    "mlaq_decode": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P, _P, _P, _I64, _P, _I64, _P, _P, _INT, _P, _INT],
     "mlaq_w8a8": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT],
     "mlaq_pv_sums": [_P, _P, _I64, _I64, _I64, _INT, _I64, _I64, _P, _I64, _I64, _P, _INT],
 }
@@ -265,14 +267,14 @@ class Kernels:
 
     def scores(self, rows: Rows, n: int, parts: list[tuple[Part, int, Tensor, Tensor]], out: Tensor,
                accumulate: bool, maxes: Tensor | None = None) -> None:
-        """out[h, :n] (+)= the scores of n rows summed over 1-2 integer parts (part, its byte offset in the row,
-        q8 int8 [H, W] and qs fp32 [H, G] contiguous), in order: the bits of one call per part, the later ones
+        """out[h, :n] (+)= the scores of n rows summed over 1-`MAX_PARTS` integer parts (part, its byte offset in the
+        row, q8 int8 [H, W] and qs fp32 [H, G] contiguous), in order: the bits of one call per part, the later ones
         accumulating. out fp32 [H, ≥n]; `rows` locates the rows' first byte; maxes fp32 [H] (contiguous): each
         head's max over the n scores, when given."""
         heads = parts[0][2].shape[0]
         _check(out, torch.float32, "scores: out", heads, n)
-        if not 1 <= len(parts) <= 2:
-            raise ValueError(f"scores: 1 or 2 parts per call, got {len(parts)}")
+        if not 1 <= len(parts) <= MAX_PARTS:
+            raise ValueError(f"scores: 1 to {MAX_PARTS} parts per call, got {len(parts)}")
         desc = []
         for part, offset, q8, qs in parts:
             if not (q8.is_contiguous() and qs.is_contiguous()) or q8.shape != (heads, part.width) or qs.shape != (
@@ -304,17 +306,23 @@ class Kernels:
                          torch.get_num_threads())
 
     def decode(self, pool: Tensor, pages: list[Tensor], lens: list[int], block_tokens: int,
-               parts: list[tuple[Part, int, Tensor, Tensor]], acc: Tensor, m: Tensor, total: Tensor) -> None:
+               parts: list[tuple[Part, int, Tensor, Tensor]], acc: Tensor, m: Tensor, total: Tensor,
+               value_channels: tuple[int, ...] = (0,)) -> None:
         """The in-place decode of B sequences whose parts are all integer, in one call (decode_kernels.c,
         mlaq_decode): pool uint8 [blocks, page_rows, row_bytes] contiguous, pages[b] int64 (contiguous) and lens[b]
         > 0 sequence b's pages and tokens, parts (part, byte offset in the row, q8 int8 [B, H, W], qs fp32 [B, H, G],
         contiguous) the c_kv part first; acc fp32 [B, H, W], m, total fp32 [B, H] (contiguous): the online-softmax
-        state (running max and sum, set by the first block)."""
+        state (running max and sum, set by the first block). value_channels: the first channel in acc of each of
+        the first len(value_channels) parts, the ones P·V reads (a band c_kv: one per stored band)."""
         batch, heads = acc.shape[:2]
         page_rows = pool.shape[1]
         if not pool.is_contiguous() or block_tokens % page_rows or len(pages) != batch or min(lens) < 1:
             raise ValueError(f"decode: contiguous pool, block_tokens a multiple of {page_rows}, one page list and "
                              f"length ≥ 1 per sequence (got {len(pages)} for {batch}, lens {lens})")
+        if not 1 <= len(parts) <= MAX_PARTS or not 1 <= len(value_channels) <= len(parts) or any(
+                ch < 0 or ch + p[0].width > acc.shape[2] for ch, p in zip(value_channels, parts)):
+            raise ValueError(f"decode: 1 to {MAX_PARTS} parts, the first {len(value_channels)} of them inside acc's "
+                             f"{acc.shape[2]} channels at {list(value_channels)}")
         for t, shape in ((acc, None), (m, (batch, heads)), (total, (batch, heads))):
             if t.dtype != torch.float32 or not t.is_contiguous() or (shape is not None and tuple(t.shape) != shape):
                 raise ValueError(f"decode: acc, m, total contiguous fp32, m and total [{batch}, {heads}]")
@@ -333,7 +341,8 @@ class Kernels:
                              block_tokens, len(parts), arr(ctypes.c_int64, desc), arr(ctypes.c_void_p, q8s),
                              arr(ctypes.c_void_p, qss), heads,
                              arr(ctypes.c_void_p, [acc.data_ptr() + b * acc.stride(0) * 4 for b in range(batch)]),
-                             acc.stride(1), m.data_ptr(), total.data_ptr(), torch.get_num_threads())
+                             acc.stride(1), m.data_ptr(), total.data_ptr(), len(value_channels),
+                             arr(ctypes.c_int64, list(value_channels)), torch.get_num_threads())
 
     def exp2(self, x: Tensor, m: float) -> tuple[Tensor, float]:
         """(exp2(x − m) fp32 [n], its sum in the kernels' lane order) for x fp32 [n] (tests)."""

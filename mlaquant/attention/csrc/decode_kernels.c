@@ -4,13 +4,15 @@
  * formulas and their error bound.
  *
  * Codes as they enter a dot (c'): int8 sym q (stored int8), int8 asym q - 128 (stored uint8), int4 sym nibble - 8,
- * int4 asym nibble (channel 2j in the low nibble of byte j). A part's bytes: codes, then one FP16 scale per group at
- * scale_off, then (asym) one FP16 zero point per group at zero_off. Rows: row t of a block is at
+ * int4 asym nibble (channel 2j in the low nibble of byte j), int3 / int2 sym u - 4 / u - 2 (the bands of a band
+ * codec: a little-endian bit stream, channel c at bits 3c.. / 2c..). A part's bytes: codes, then one FP16 scale per
+ * group at scale_off, then (asym) one FP16 zero point per group at zero_off. A band c_kv part enters as one part per
+ * stored band (row-wise: one group), its scale_off reaching the band's scale after the codes of every band. Rows: row t of a block is at
  * base + (pages ? pages[t / page_rows] * page_rows + t % page_rows : t) * stride (a paged pool read in place).
  *
  *   mlaq_dots    c[b][m][n] = sum_k a[b][m][k] * c'(row n of batch b, k): exact INT32 (wrapping arithmetic, so any
  *                result that fits in int32 is exact whatever the order)
- *   mlaq_scores  out[h][t] (+)= sum over 1-2 parts, sum_g (qs[h][g] * s[t][g]) * dot_g + (asym) (sum_g q8 *
+ *   mlaq_scores  out[h][t] (+)= sum over 1-8 parts, sum_g (qs[h][g] * s[t][g]) * dot_g + (asym) (sum_g q8 *
  *                qs[h][g]) * zp[t][g], parts and groups in order; zp = lo + 128 s (int8 asym) or lo (int4 asym)
  *   mlaq_pv      acc[h][c] (* alpha) += (float)(M_g / 32767 * S[h][c]) + z[h][g], S = sum_t P_g[h][t] * c' exact
  *                (INT32 per <= 256-token chunk, |P| <= 32767, |c'| <= 128; chunks summed in FP64, exact below 2^53),
@@ -18,6 +20,8 @@
  *                fixed 8-lane order; or from a block's scores with the online-softmax step inside: m = max(m_run,
  *                block max from mlaq_scores), p = exp2(x - m) (`exp2_scalar`: same FP32 ops in every variant),
  *                acc and l_run rescaled by exp2(m_run - m), l_run += sum_t p (8-lane order)
+ *   mlaq_decode  per sequence and block: mlaq_scores, then that softmax step once and the P.V of each c_kv part (a
+ *                band c_kv: each band into its channels; channels of 0-bit bands stay 0)
  *
  * Every variant performs the same FP32 / FP64 operations in the same order (lane-wise, vectors over tokens or
  * channels, never across a reduction), so all of them give the same bits; the integer sums are exact in all.
@@ -91,10 +95,14 @@ static inline __attribute__((always_inline)) __m512i dpwssd_z_bcast(__m512i acc,
 #ifndef PV_CHUNK
 #define PV_CHUNK 256 /* tokens per INT32 P.V sum: 256 * 32767 * 128 < 2^31 */
 #endif
+#define QCHUNK 128 /* tokens per probability-quantization chunk (even): its [pair][head] block stays in L1 */
 #define INLINE static inline __attribute__((always_inline))
 
-enum { I8_SYM = 0, I8_ASYM = 1, I4_SYM = 2, I4_ASYM = 3 };
-#define IS_INT4(kind) ((kind) >= I4_SYM)
+enum { I8_SYM = 0, I8_ASYM = 1, I4_SYM = 2, I4_ASYM = 3, I3_SYM = 4, I2_SYM = 5 };
+#define IS_INT4(kind) ((kind) == I4_SYM || (kind) == I4_ASYM)
+#define SUB_BYTE(kind) ((kind) >= I4_SYM) /* unsigned codes of < 8 bits: maddubs / vpdpbusd take them as they are */
+#define BITS(kind) ((kind) <= I8_ASYM ? 8 : (kind) <= I4_ASYM ? 4 : (kind) == I3_SYM ? 3 : 2)
+#define BIAS(kind) ((kind) == I4_SYM ? 8 : (kind) == I3_SYM ? 4 : (kind) == I2_SYM ? 2 : 0) /* stored = c' + bias */
 #define IS_ASYM(kind) ((kind) == I8_ASYM || (kind) == I4_ASYM)
 
 int mlaq_isa(void) { return MLAQ_ISA; }
@@ -151,12 +159,35 @@ static void *alloc(size_t bytes) { /* 64-byte aligned, at least 64 bytes */
     return aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
 }
 
+/* This thread's buffer `slot` of at least `bytes` (64-byte aligned, contents undefined), kept for the next call: the
+ * decode's large per-block buffers, which fresh from malloc (mmap above its threshold) would take their page faults
+ * on every block. Valid until the same thread asks for the same slot again. */
+enum { SC_SCORES, SC_PROBS, SC_ROWS, SC_S, SC_ZP, SC_P, SC_S64, SC_SLAB, SC_TILE, SC_SLOTS };
+static __thread struct {
+    void *ptr;
+    size_t bytes;
+} scratch_slots[SC_SLOTS];
+static void *scratch(int slot, size_t bytes) {
+    if (scratch_slots[slot].bytes < bytes) {
+        free(scratch_slots[slot].ptr);
+        scratch_slots[slot].ptr = alloc(bytes);
+        scratch_slots[slot].bytes = bytes;
+    }
+    return scratch_slots[slot].ptr;
+}
+
 static inline int32_t code_at(const uint8_t *codes, int kind, int64_t c) {
     switch (kind) {
     case I8_SYM: return (int8_t)codes[c];
     case I8_ASYM: return (int32_t)codes[c] - 128;
     case I4_SYM: return (int32_t)((codes[c >> 1] >> ((c & 1) * 4)) & 15) - 8;
-    default: return (codes[c >> 1] >> ((c & 1) * 4)) & 15;
+    case I4_ASYM: return (codes[c >> 1] >> ((c & 1) * 4)) & 15;
+    case I3_SYM: { /* a little-endian bit stream: channel c at bits 3c..3c+2 */
+        int64_t bit = 3 * c, at = bit >> 3, sh = bit & 7;
+        uint32_t v = codes[at] | (sh > 5 ? (uint32_t)codes[at + 1] << 8 : 0u);
+        return (int32_t)((v >> sh) & 7) - 4;
+    }
+    default: return (int32_t)((codes[c >> 2] >> ((c & 3) * 2)) & 3) - 2;
     }
 }
 
@@ -206,7 +237,7 @@ static inline void load_params(const part_t *p, const uint8_t *row, float *s, fl
  * in 0..15 and odd ones in 16..31, the order the nibbles come in; zeros past the chunk's width), int16 for the avx2
  * int8 kinds (sign-extended codes, madd), else int8. Returns the entry size; sums[m * G + g] = sum of a. */
 static int prep_a(const int8_t *a, int64_t lda, int64_t rows, const part_t *p, void *out, int32_t *sums) {
-    int wide = MLAQ_ISA == MLAQ_AVX2 && !IS_INT4(p->kind);
+    int wide = MLAQ_ISA == MLAQ_AVX2 && !SUB_BYTE(p->kind);
     int64_t G = p->groups;
     for (int64_t m = 0; m < rows; m++) {
         for (int64_t g = 0; g < G; g++) {
@@ -234,6 +265,18 @@ static int prep_a(const int8_t *a, int64_t lda, int64_t rows, const part_t *p, v
 INLINE __m128i load16(const uint8_t *p, int64_t n) { /* n <= 16 bytes, zeros after */
     if (n == 16) return _mm_loadu_si128((const __m128i *)p);
     if (n == 8) return _mm_loadl_epi64((const __m128i *)p);
+    int32_t i4;
+    int16_t i2;
+    if (n == 12) {
+        memcpy(&i4, p + 8, 4);
+        return _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)p), i4, 2);
+    }
+    if (n == 4 || n == 6) {
+        memcpy(&i4, p, 4);
+        if (n == 4) return _mm_cvtsi32_si128(i4);
+        memcpy(&i2, p + 4, 2);
+        return _mm_insert_epi16(_mm_cvtsi32_si128(i4), i2, 2);
+    }
     uint8_t tmp[16] = {0};
     memcpy(tmp, p, (size_t)n);
     return _mm_loadu_si128((const __m128i *)tmp);
@@ -248,6 +291,36 @@ INLINE __m256i load32(const uint8_t *p, int64_t n) { /* n <= 32 bytes, zeros aft
 INLINE __m256i nibbles(const uint8_t *p, int64_t nbytes) { /* [low nibbles | high nibbles] of nbytes <= 16 */
     __m128i x = load16(p, nbytes), m = _mm_set1_epi8(15);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
+}
+
+/* Bit-stream fields (3 or 2 bits): channel c at bits b.c .. b.c + b - 1. A 16-bit lane i of `fields16` takes the
+ * byte pair holding channel c0 + i (pshufb on the bytes broadcast to both halves) and shifts its field to the top
+ * with a multiply by 2^(16 - b - bit offset), then down by 16 - b: 16 channels per call, no variable shifts. */
+#define FB(b, c) (char)(((c) * (b)) >> 3), (char)((((c) * (b)) >> 3) + 1)
+#define FB8(b, c) FB(b, c), FB(b, c + 1), FB(b, c + 2), FB(b, c + 3), FB(b, c + 4), FB(b, c + 5), FB(b, c + 6), FB(b, c + 7)
+#define FM(b, c) (short)(1 << (16 - (b) - (((c) * (b)) & 7)))
+#define FM8(b, c) FM(b, c), FM(b, c + 1), FM(b, c + 2), FM(b, c + 3), FM(b, c + 4), FM(b, c + 5), FM(b, c + 6), FM(b, c + 7)
+INLINE __m256i fields16(__m128i bytes, int bits, int half) { /* channels 16 * half .. 16 * half + 15 of the bytes */
+    __m256i ctl, mul;
+    if (bits == 3) {
+        ctl = half ? _mm256_setr_epi8(FB8(3, 16), FB8(3, 24)) : _mm256_setr_epi8(FB8(3, 0), FB8(3, 8));
+        mul = half ? _mm256_setr_epi16(FM8(3, 16), FM8(3, 24)) : _mm256_setr_epi16(FM8(3, 0), FM8(3, 8));
+    } else {
+        ctl = half ? _mm256_setr_epi8(FB8(2, 16), FB8(2, 24)) : _mm256_setr_epi8(FB8(2, 0), FB8(2, 8));
+        mul = half ? _mm256_setr_epi16(FM8(2, 16), FM8(2, 24)) : _mm256_setr_epi16(FM8(2, 0), FM8(2, 8));
+    }
+    __m256i pairs = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(bytes), ctl);
+    return _mm256_srli_epi16(_mm256_mullo_epi16(pairs, mul), 16 - bits);
+}
+
+INLINE __m256i stream_codes(const uint8_t *p, int64_t w, int bits) { /* w <= 32 unsigned codes, channel order */
+    __m128i x = load16(p, (w * bits + 7) / 8);
+    __m256i u = _mm256_packus_epi16(fields16(x, bits, 0), fields16(x, bits, 1)); /* 0-7 16-23 | 8-15 24-31 */
+    return _mm256_permute4x64_epi64(u, 0xD8);
+}
+
+INLINE __m256i sub_byte_codes(int kind, const uint8_t *p, int64_t w) { /* unsigned codes of a sub-byte chunk */
+    return IS_INT4(kind) ? nibbles(p, w / 2) : stream_codes(p, w, BITS(kind));
 }
 
 INLINE int32_t hsum(__m256i v) {
@@ -271,7 +344,7 @@ INLINE void chunk_dots(int kind, const uint8_t *am, int64_t astep, const uint8_t
     __m256i u[DOT_NT];
     _Pragma("GCC unroll 16")
     for (int ni = 0; ni < nt; ni++) {
-        if (IS_INT4(kind)) u[ni] = nibbles(r[ni] + j * CH / 2, w / 2);
+        if (SUB_BYTE(kind)) u[ni] = sub_byte_codes(kind, r[ni] + j * CH * BITS(kind) / 8, w);
         else if (kind == I8_SYM) u[ni] = _mm256_xor_si256(load32(r[ni] + j * CH, w), _mm256_set1_epi8((char)0x80));
         else u[ni] = load32(r[ni] + j * CH, w);
     }
@@ -282,11 +355,11 @@ INLINE void chunk_dots(int kind, const uint8_t *am, int64_t astep, const uint8_t
         for (int ni = 0; ni < nt; ni++) acc[mi][ni] = DPBUSD(acc[mi][ni], u[ni], a);
     }
 #else
-    if (IS_INT4(kind)) { /* unsigned nibbles x int8 a: maddubs pairs <= 2 * 15 * 128, no saturation */
+    if (SUB_BYTE(kind)) { /* unsigned codes x int8 a: maddubs pairs <= 2 * 15 * 128, no saturation */
         const __m256i ones = _mm256_set1_epi16(1);
         __m256i u[DOT_NT];
         _Pragma("GCC unroll 16")
-        for (int ni = 0; ni < nt; ni++) u[ni] = nibbles(r[ni] + j * CH / 2, w / 2);
+        for (int ni = 0; ni < nt; ni++) u[ni] = sub_byte_codes(kind, r[ni] + j * CH * BITS(kind) / 8, w);
         _Pragma("GCC unroll 16")
         for (int mi = 0; mi < mt; mi++) {
             __m256i a = _mm256_load_si256((const __m256i *)(am + mi * astep));
@@ -329,7 +402,7 @@ INLINE void tile_dots(const part_t *p, const int kind, const uint8_t *ap, int64_
     const int64_t full = p->gs / CH, tail = p->gs % CH;
     const uint8_t *a0 = ap + g * p->nch * CH * esize, *r[DOT_NT];
     _Pragma("GCC unroll 16")
-    for (int ni = 0; ni < nt; ni++) r[ni] = rows[ni] + (IS_INT4(kind) ? g * p->gs / 2 : g * p->gs);
+    for (int ni = 0; ni < nt; ni++) r[ni] = rows[ni] + g * p->gs * BITS(kind) / 8;
     /* full chunks at a constant width (the loads' branches fold away), then the group's short tail chunk */
     for (int64_t j = 0; j < full; j++) chunk_dots(kind, a0 + j * CH * esize, astride * esize, r, j, CH, mt, nt, acc);
     if (tail) chunk_dots(kind, a0 + full * CH * esize, astride * esize, r, full, tail, mt, nt, acc);
@@ -371,9 +444,9 @@ INLINE void tile_dots(const part_t *p, const int kind, const uint8_t *ap, int64_
     }
 }
 
-/* The bias the vector sums carry: VNNI int8 sums u8 = c' + 128 (-128 sum a), int4 sym sums nibbles = c' + 8. */
+/* The bias the vector sums carry: VNNI int8 sums u8 = c' + 128 (-128 sum a), sub-byte sym codes c' + BIAS. */
 static void corrections(const part_t *p, const int32_t *sums, int64_t n, uint32_t *corr) {
-    uint32_t k = (VNNI && !IS_INT4(p->kind)) ? 128u : p->kind == I4_SYM ? 8u : 0u;
+    uint32_t k = (VNNI && !SUB_BYTE(p->kind)) ? 128u : (uint32_t)BIAS(p->kind);
     for (int64_t i = 0; i < n; i++) corr[i] = k * (uint32_t)sums[i];
 }
 
@@ -409,10 +482,14 @@ ROWS_FN(I8_SYM, DOT_NT)
 ROWS_FN(I8_ASYM, DOT_NT)
 ROWS_FN(I4_SYM, DOT_NT)
 ROWS_FN(I4_ASYM, DOT_NT)
+ROWS_FN(I3_SYM, DOT_NT)
+ROWS_FN(I2_SYM, DOT_NT)
 ROWS_FN(I8_SYM, 1)
 ROWS_FN(I8_ASYM, 1)
 ROWS_FN(I4_SYM, 1)
 ROWS_FN(I4_ASYM, 1)
+ROWS_FN(I3_SYM, 1)
+ROWS_FN(I2_SYM, 1)
 
 INLINE void dots_rows_vec(const part_t *p, const uint8_t *ap, int esize, const uint32_t *corr, int64_t m_rows,
                           const uint8_t *const *rows, int nt, int32_t *out, int64_t ld_g, int64_t ld_m) {
@@ -421,7 +498,9 @@ INLINE void dots_rows_vec(const part_t *p, const uint8_t *ap, int esize, const u
     case I8_SYM: rows_I8_SYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m); break;                           \
     case I8_ASYM: rows_I8_ASYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m); break;                         \
     case I4_SYM: rows_I4_SYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m); break;                           \
-    default: rows_I4_ASYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m);                                     \
+    case I4_ASYM: rows_I4_ASYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m); break;                         \
+    case I3_SYM: rows_I3_SYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m); break;                           \
+    default: rows_I2_SYM_##NT(p, ap, esize, corr, m_rows, R, O, ld_g, ld_m);                                      \
     }
     if (nt == DOT_NT) {
 #if DOT_NT == 4
@@ -576,7 +655,7 @@ void mlaq_w8a8(const float *x, int64_t m, int64_t groups, int64_t k, const int8_
 
 /* ---------------------------------------------------------------- scores */
 
-#define MAX_PARTS 2
+#define MAX_PARTS 8 /* a band c_kv part is one part per stored band, then k_pe */
 
 /* One integer part of a scores call: where it starts in the row, its A, and per-thread buffers. */
 typedef struct {
@@ -642,10 +721,10 @@ static void scores_tile(const scored_t *parts, int nparts, const uint8_t *base, 
     }
 }
 
-/* out[h][t] (+)= the scores of nparts <= 2 integer parts of the same n block rows (module comment), in order:
+/* out[h][t] (+)= the scores of nparts <= MAX_PARTS integer parts of the same n block rows (module comment), in order:
  * desc[6k..6k+5] = kind, width, group size, scale and zero offsets (from the part's start), the part's byte
  * offset in the row; q8[k] [heads][width] int8, qs[k] [heads][groups] fp32 (score factor folded in); out
- * [heads][ldo] fp32. Two parts in one call give the bits of two calls, the second accumulating. */
+ * [heads][ldo] fp32. Parts in one call give the bits of one call per part, the later ones accumulating. */
 void mlaq_scores(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64_t stride, int64_t n, int nparts,
                  const int64_t *desc, const int8_t *const *q8, const float *const *qs, int64_t heads, float *out,
                  int64_t ldo, int accumulate, float *maxes, int threads) {
@@ -684,8 +763,17 @@ void mlaq_scores(const uint8_t *base, const int64_t *pages, int64_t page_rows, i
         if (maxes) { /* each head's max over the n scores (exact in any order); -inf for n = 0 */
 #pragma omp for schedule(static)
             for (int64_t h = 0; h < heads; h++) {
+                const float *o = out + h * ldo;
                 float mx = -INFINITY;
-                for (int64_t t = 0; t < n; t++) mx = out[h * ldo + t] > mx ? out[h * ldo + t] : mx;
+                int64_t t = 0;
+#if VECTOR
+                __m256 v = _mm256_set1_ps(-INFINITY); /* max_ps(x, v) keeps v where x is NaN, as the scalar form */
+                for (; t + 8 <= n; t += 8) v = _mm256_max_ps(_mm256_loadu_ps(o + t), v);
+                float lanes[8];
+                _mm256_storeu_ps(lanes, v);
+                for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+#endif
+                for (; t < n; t++) mx = o[t] > mx ? o[t] : mx;
                 maxes[h] = mx;
             }
         }
@@ -804,6 +892,12 @@ void mlaq_exp2(const float *x, int64_t n, float m, float *p, float *sum) { *sum 
 #if VECTOR
 /* The slab's 16 codes c' of one row as int8 (channels c0.., w <= 16 valid; the rest are never stored). */
 INLINE __m128i slab_codes(const part_t *p, const uint8_t *row, int64_t c0, int64_t w) {
+    if (SUB_BYTE(p->kind) && !IS_INT4(p->kind)) { /* c0 is a multiple of 16: the slab starts on a byte */
+        int bits = BITS(p->kind);
+        __m256i v = _mm256_sub_epi16(fields16(load16(row + c0 * bits / 8, (w * bits + 7) / 8), bits, 0),
+                                     _mm256_set1_epi16((short)BIAS(p->kind)));
+        return _mm_packs_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    }
     if (IS_INT4(p->kind)) {
         __m128i b = load16(row + c0 / 2, (w + 1) / 2), m = _mm_set1_epi8(15);
         __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
@@ -943,44 +1037,21 @@ static void my_slabs(int64_t slabs, int64_t *s0, int64_t *s1) {
     *s1 = slabs * (t + 1) / nt;
 }
 
-/* acc[h][c] (+)= the P.V of one integer c_kv part over n block rows (module comment), acc [heads][lda] fp32.
- * x [heads][ldp] fp32: the probabilities in [0, 1] (m_run NULL: acc += P.V), or the base-2 scores of one block
- * of an online softmax whose running max and sum per head are m_run, l_run [heads] (in/out) and whose block maxes
- * are bmax [heads] (the scores kernel's): m = max(m_run, bmax) (bmax for the first block), alpha = exp2(m_run - m),
- * p = exp2(x - m), acc = acc * alpha + P.V, l_run = l_run * alpha + sum_t p (the fixed 8-lane order), m_run = m;
- * the first block (first != 0): acc += P.V, l_run = sum_t p. Every exp2 is `exp2_scalar`'s. */
-void mlaq_pv(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64_t stride, int64_t n, int kind,
-             int64_t width, int64_t gs, int64_t scale_off, int64_t zero_off, const float *x, int64_t ldp,
-             int64_t heads, float *acc, int64_t lda, float *m_run, float *l_run, const float *bmax, int first,
-             int threads) {
-    part_t p = make_part(kind, width, gs, scale_off, zero_off);
-    const int64_t G = p.groups, npad = (n + 1) / 2 * 2, per_group = (p.gs + SLAB - 1) / SLAB, slabs = G * per_group;
-    const uint8_t **rows = alloc((size_t)n * sizeof(*rows));
-    float *s = alloc((size_t)(G * n) * 4), *zp = alloc((size_t)(G * n) * 4), *r = alloc((size_t)G * 4);
+/* acc[h][c] = acc[h][c] * alpha[h] (alpha NULL: 1) + the P.V of one integer part over n block rows (rows[t] its
+ * first byte) with probabilities probs [heads][ldq] in [0, 1] (module comment); acc [heads][lda] fp32. */
+static void pv_part(const part_t *p, const uint8_t *const *rows, int64_t n, const float *probs, int64_t ldq,
+                    int64_t heads, float *acc, int64_t lda, const float *alpha, int threads) {
+    const int64_t G = p->groups, npad = (n + 1) / 2 * 2, per_group = (p->gs + SLAB - 1) / SLAB, slabs = G * per_group;
+    const int64_t qchunks = (npad + QCHUNK - 1) / QCHUNK;
+    float *s = scratch(SC_S, (size_t)(G * n) * 4), *zp = scratch(SC_ZP, (size_t)(G * n) * 4), *r = alloc((size_t)G * 4);
     float *z = alloc((size_t)(heads * G) * 4);
-    int32_t *P = alloc((size_t)(G * heads * npad) * 2); /* [g][pair][head]: int16 pairs (P[2i], P[2i + 1]) */
+    memset(z, 0, (size_t)(heads * G) * 4);
+    int32_t *P = scratch(SC_P, (size_t)(G * heads * npad) * 2); /* [g][pair][head]: int16 pairs (P[2i], P[2i + 1]) */
     double *m_over = alloc((size_t)G * 8);
-    float *pbuf = m_run ? alloc((size_t)(heads * n) * 4) : NULL;
-    float *m = alloc((size_t)heads * 4), *alpha = NULL, *sums = alloc((size_t)heads * 4);
-    if (m_run) {
-        if (!first) alpha = alloc((size_t)heads * 4);
-        for (int64_t h = 0; h < heads; h++) {
-            m[h] = first || bmax[h] > m_run[h] ? bmax[h] : m_run[h];
-            if (!first) alpha[h] = exp2_scalar(m_run[h] - m[h]);
-        }
-    }
-    const float *probs = m_run ? pbuf : x;
-    const int64_t ldq = m_run ? n : ldp;
 #pragma omp parallel num_threads(n < 64 ? 1 : threads)
     {
-        if (m_run) {
 #pragma omp for schedule(static)
-            for (int64_t h = 0; h < heads; h++) sums[h] = exp2_row(x + h * ldp, m[h], n, pbuf + h * n);
-        }
-#pragma omp single
-        rows_from(base, pages, page_rows, stride, 0, n, rows);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < n; t++) load_params(&p, rows[t], s + t, zp + t, n);
+        for (int64_t t = 0; t < n; t++) load_params(p, rows[t], s + t, zp + t, n);
 #pragma omp single
         for (int64_t g = 0; g < G; g++) { /* M_g = max_t |s|: r = 32767 / M_g, m_over = M_g / 32767 */
             float m = 0.0f;
@@ -988,25 +1059,32 @@ void mlaq_pv(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64
             r[g] = m > 0.0f ? 32767.0f / m : 0.0f;
             m_over[g] = (double)m / 32767.0;
         }
-        int16_t *row = alloc((size_t)npad * 2);
+        int16_t *tile = scratch(SC_TILE, (size_t)(heads * QCHUNK) * 2); /* [head][token] of a chunk */
 #pragma omp for schedule(static)
-        for (int64_t i = 0; i < G * heads; i++) {
-            int64_t g = i / heads, h = i % heads;
-            quantize_probs(probs + h * ldq, s + g * n, r[g], n, npad, row);
-            for (int64_t j = 0; j < npad / 2; j++) memcpy(P + (g * npad / 2 + j) * heads + h, row + 2 * j, 4);
-            z[h * G + g] = IS_ASYM(p.kind) ? lane_dot(probs + h * ldq, zp + g * n, n) : 0.0f;
+        for (int64_t i = 0; i < G * qchunks; i++) {
+            int64_t g = i / qchunks, t0 = (i % qchunks) * QCHUNK, nt = npad - t0 < QCHUNK ? npad - t0 : QCHUNK;
+            int64_t valid = n - t0 < nt ? n - t0 : nt;
+            for (int64_t h = 0; h < heads; h++)
+                quantize_probs(probs + h * ldq + t0, s + g * n + t0, r[g], valid, nt, tile + h * QCHUNK);
+            int32_t *dst = P + (g * npad + t0) / 2 * heads;
+            for (int64_t j = 0; j < nt / 2; j++)
+                for (int64_t h = 0; h < heads; h++) memcpy(dst + j * heads + h, tile + h * QCHUNK + 2 * j, 4);
         }
-        free(row);
+        if (IS_ASYM(p->kind)) {
+#pragma omp for schedule(static)
+            for (int64_t i = 0; i < G * heads; i++)
+                z[i % heads * G + i / heads] = lane_dot(probs + i % heads * ldq, zp + i / heads * n, n);
+        }
         int64_t s0, s1;
         my_slabs(slabs, &s0, &s1);
         if (s1 > s0) {
             int64_t ldS = (s1 - s0) * SLAB;
-            double *S = alloc((size_t)(heads * ldS) * 8);
-            int16_t *B = alloc((size_t)(PV_CHUNK / 2) * 32 * 2);
-            pv_slabs(&p, rows, n, P, npad, heads, S, s0, s1, B);
+            double *S = scratch(SC_S64, (size_t)(heads * ldS) * 8);
+            int16_t *B = scratch(SC_SLAB, (size_t)(PV_CHUNK / 2) * 32 * 2);
+            pv_slabs(p, rows, n, P, npad, heads, S, s0, s1, B);
             for (int64_t sl = s0; sl < s1; sl++) {
-                int64_t g = sl / per_group, c0 = g * p.gs + (sl % per_group) * SLAB;
-                int64_t w = (g + 1) * p.gs - c0 < SLAB ? (g + 1) * p.gs - c0 : SLAB;
+                int64_t g = sl / per_group, c0 = g * p->gs + (sl % per_group) * SLAB;
+                int64_t w = (g + 1) * p->gs - c0 < SLAB ? (g + 1) * p->gs - c0 : SLAB;
                 for (int64_t h = 0; h < heads; h++)
                     for (int64_t c = 0; c < w; c++) {
                         float v = (float)(m_over[g] * S[h * ldS + (sl - s0) * SLAB + c]);
@@ -1014,26 +1092,63 @@ void mlaq_pv(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64
                         *a = (alpha ? *a * alpha[h] : *a) + (v + z[h * G + g]);
                     }
             }
-            free(S);
-            free(B);
         }
     }
-    free((void *)rows);
-    free(s);
-    free(zp);
     free(r);
     free(z);
-    if (m_run)
-        for (int64_t h = 0; h < heads; h++) {
-            l_run[h] = first ? sums[h] : l_run[h] * alpha[h] + sums[h];
-            m_run[h] = m[h];
-        }
-    free(P);
     free(m_over);
+}
+
+/* The online-softmax step of one block from its base-2 scores x [heads][ldp] and block maxes bmax [heads] (the
+ * scores kernel's), running max and sum m_run, l_run [heads]: m[h] = max(m_run, bmax) (bmax for the first block),
+ * alpha[h] = exp2(m_run - m) (not for the first), p [heads][n] = exp2(x - m), sums[h] = sum_t p in the fixed
+ * 8-lane order. Every exp2 is `exp2_scalar`'s. */
+static void softmax_step(const float *x, int64_t ldp, int64_t n, int64_t heads, const float *m_run, const float *bmax,
+                         int first, float *m, float *alpha, float *p, float *sums, int threads) {
+    for (int64_t h = 0; h < heads; h++) {
+        m[h] = first || bmax[h] > m_run[h] ? bmax[h] : m_run[h];
+        if (!first) alpha[h] = exp2_scalar(m_run[h] - m[h]);
+    }
+#pragma omp parallel for num_threads(n < 64 ? 1 : threads) schedule(static)
+    for (int64_t h = 0; h < heads; h++) sums[h] = exp2_row(x + h * ldp, m[h], n, p + h * n);
+}
+
+/* l_run = l_run * alpha + sums (first block: sums), m_run = m. */
+static void softmax_update(int64_t heads, const float *m, const float *alpha, const float *sums, int first,
+                           float *m_run, float *l_run) {
+    for (int64_t h = 0; h < heads; h++) {
+        l_run[h] = first ? sums[h] : l_run[h] * alpha[h] + sums[h];
+        m_run[h] = m[h];
+    }
+}
+
+/* acc[h][c] (+)= the P.V of one integer c_kv part over n block rows (module comment), acc [heads][lda] fp32.
+ * x [heads][ldp] fp32: the probabilities in [0, 1] (m_run NULL: acc += P.V), or the base-2 scores of one block
+ * of an online softmax whose running max and sum per head are m_run, l_run [heads] (in/out) and whose block maxes
+ * are bmax [heads] (the scores kernel's): `softmax_step`, acc = acc * alpha + P.V, l_run = l_run * alpha + sum_t p,
+ * m_run = m; the first block (first != 0): acc += P.V, l_run = sum_t p. */
+void mlaq_pv(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64_t stride, int64_t n, int kind,
+             int64_t width, int64_t gs, int64_t scale_off, int64_t zero_off, const float *x, int64_t ldp,
+             int64_t heads, float *acc, int64_t lda, float *m_run, float *l_run, const float *bmax, int first,
+             int threads) {
+    part_t p = make_part(kind, width, gs, scale_off, zero_off);
+    const uint8_t **rows = alloc((size_t)n * sizeof(*rows));
+    rows_from(base, pages, page_rows, stride, 0, n, rows);
+    if (!m_run) {
+        pv_part(&p, rows, n, x, ldp, heads, acc, lda, NULL, threads);
+        free((void *)rows);
+        return;
+    }
+    float *pbuf = alloc((size_t)(heads * n) * 4), *m = alloc((size_t)heads * 4), *sums = alloc((size_t)heads * 4);
+    float *alpha = first ? NULL : alloc((size_t)heads * 4);
+    softmax_step(x, ldp, n, heads, m_run, bmax, first, m, alpha, pbuf, sums, threads);
+    pv_part(&p, rows, n, pbuf, n, heads, acc, lda, alpha, threads);
+    softmax_update(heads, m, alpha, sums, first, m_run, l_run);
+    free((void *)rows);
     free(pbuf);
     free(m);
-    free(alpha);
     free(sums);
+    free(alpha);
 }
 
 /* S only (tests): S[h][c] = sum_t P[g][h][t] * c'[t][c], P int16 [G][heads][npad] given, npad even >= n. */
@@ -1072,24 +1187,53 @@ void mlaq_pv_sums(const uint8_t *base, const int64_t *pages, int64_t page_rows, 
 }
 
 /* The whole in-place decode of nseq sequences whose parts are all integer: for each sequence s, block by block
- * (block_tokens, a multiple of page_rows), mlaq_scores into a scratch row block (with its maxes), then mlaq_pv's
- * online-softmax step into acc[s] [heads][lda], m[s * heads..], l[s * heads..]. pages[s] lists sequence s's pages,
- * lens[s] > 0 its tokens; q8[s * nparts + k], qs[s * nparts + k] its query for part k (desc as mlaq_scores'); the
- * first part is the c_kv one. One call: no per-block work outside the kernels. */
+ * (block_tokens, a multiple of page_rows), mlaq_scores into a scratch row block (with its maxes), then the block's
+ * online-softmax step and the P.V of each of the first nvalues parts (the c_kv part, or its bands) into acc[s]
+ * [heads][lda] at channel value_ch[k], m[s * heads..], l[s * heads..]. pages[s] lists sequence s's pages, lens[s] >
+ * 0 its tokens; q8[s * nparts + k], qs[s * nparts + k] its query for part k (desc as mlaq_scores'). One call: no
+ * per-block work outside the kernels. With at least as many sequences as threads, the threads take whole
+ * sequences (no barrier inside one); fewer, they share each block. Either way every value is computed by the same
+ * operations in the same order: the same bits. */
+static void decode_sequence(const uint8_t *pool, int64_t page_rows, int64_t stride, const int64_t *pages, int64_t len,
+                            int64_t block_tokens, int nparts, const int64_t *desc, const int8_t *const *q8,
+                            const float *const *qs, int64_t heads, float *acc, int64_t lda, float *m, float *l,
+                            int nvalues, const int64_t *value_ch, int threads) {
+    float *scores = scratch(SC_SCORES, (size_t)(heads * block_tokens) * 4), *bmax = alloc((size_t)heads * 4);
+    float *p = scratch(SC_PROBS, (size_t)(heads * block_tokens) * 4), *mb = alloc((size_t)heads * 4);
+    float *alpha = alloc((size_t)heads * 4), *sums = alloc((size_t)heads * 4);
+    const uint8_t **rows = scratch(SC_ROWS, (size_t)block_tokens * sizeof(*rows));
+    part_t vp[MAX_PARTS];
+    for (int k = 0; k < nvalues; k++) {
+        const int64_t *e = desc + 6 * k;
+        vp[k] = make_part((int)e[0], e[1], e[2], e[3], e[4]);
+    }
+    for (int64_t start = 0; start < len; start += block_tokens) {
+        int64_t n = len - start < block_tokens ? len - start : block_tokens;
+        const int64_t *pg = pages + start / page_rows;
+        int first = start == 0;
+        mlaq_scores(pool, pg, page_rows, stride, n, nparts, desc, q8, qs, heads, scores, block_tokens, 0, bmax,
+                    threads);
+        softmax_step(scores, block_tokens, n, heads, m, bmax, first, mb, alpha, p, sums, threads);
+        for (int k = 0; k < nvalues; k++) {
+            rows_from(pool + desc[6 * k + 5], pg, page_rows, stride, 0, n, rows);
+            pv_part(&vp[k], rows, n, p, n, heads, acc + value_ch[k], lda, first ? NULL : alpha, threads);
+        }
+        softmax_update(heads, mb, alpha, sums, first, m, l);
+    }
+    free(bmax);
+    free(mb);
+    free(alpha);
+    free(sums);
+}
+
 void mlaq_decode(const uint8_t *pool, int64_t page_rows, int64_t stride, int64_t nseq, const int64_t *const *pages,
                  const int64_t *lens, int64_t block_tokens, int nparts, const int64_t *desc, const int8_t *const *q8,
                  const float *const *qs, int64_t heads, float *const *acc, int64_t lda, float *m, float *l,
-                 int threads) {
-    float *scores = alloc((size_t)(heads * block_tokens) * 4), *bmax = alloc((size_t)heads * 4);
+                 int nvalues, const int64_t *value_ch, int threads) {
+    int outer = nseq >= threads && threads > 1;
+#pragma omp parallel for num_threads(outer ? threads : 1) schedule(dynamic, 1) if (outer)
     for (int64_t s = 0; s < nseq; s++)
-        for (int64_t start = 0; start < lens[s]; start += block_tokens) {
-            int64_t n = lens[s] - start < block_tokens ? lens[s] - start : block_tokens;
-            const int64_t *pg = pages[s] + start / page_rows;
-            mlaq_scores(pool, pg, page_rows, stride, n, nparts, desc, q8 + s * nparts, qs + s * nparts, heads, scores,
-                        block_tokens, 0, bmax, threads);
-            mlaq_pv(pool, pg, page_rows, stride, n, (int)desc[0], desc[1], desc[2], desc[3], desc[4], scores,
-                    block_tokens, heads, acc[s], lda, m + s * heads, l + s * heads, bmax, start == 0, threads);
-        }
-    free(scores);
-    free(bmax);
+        decode_sequence(pool, page_rows, stride, pages[s], lens[s], block_tokens, nparts, desc, q8 + s * nparts,
+                        qs + s * nparts, heads, acc[s], lda, m + s * heads, l + s * heads, nvalues, value_ch,
+                        outer ? 1 : threads);
 }
