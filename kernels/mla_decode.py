@@ -63,15 +63,9 @@ for FP16-scored int4, else the low and high nibbles) exactly as the codec's deco
 codes in FP32 (`q * s + lo`), symmetric ones in FP16 (|q| ≤ 128 times an FP16 scale of either sign is exact in
 FP32, so FP16's rounded product is the same bits; tests/test_kernel_dequant.py checks every codec bit for bit,
 codes −128 / −8 and negative scales included) — and multiplied with P rounded to FP16 (FP32
-accumulation), once per tile for all heads of the program. The
-alternative, INT8 P·V, must fold the per-token V scales into P (they vary along the reduction axis) and
-re-quantize P per (head, group) every tile. Measured in a torch emulation of both (d_c 512, 1024 tokens,
-16 heads, 32-token tiles, FP64 reference on the same dequantized cache), the relative L2 output error is
-1.6e-4 for FP16 P·V and 7.9e-3 for INT8 P·V (int8-g64; 8.5e-3 for int4-g32) — as large as the int8-g64
-cache's own error on the output (8.7e-3), i.e. INT8 P·V would double the accuracy loss of an INT8 cache.
-It would also cost n_g small MMAs and n_g INT32->FP32 rescales per tile instead of one dequantize (W FMAs
-per token, shared by all heads) and one MMA. Speed could not be measured here (no GPU). FP16 P·V is the
-choice (FlashMLA also dequantizes to 16-bit for P·V).
+accumulation), once per tile for all heads of the program (not INT8 P·V, which must fold the per-token V
+scales into P and re-quantize it per head and group every tile: why, with its measured error, in
+docs/kernels.md).
 
 GPU layout (each choice compiled with `mlaquant bench kernels --aot`, Triton 3.9; "loop" counts the main
 loop's static instructions, (n) of them in the lazy-rescale branch; docs/aot_round3.md has the tables):
@@ -146,9 +140,8 @@ the context), and an error already in h_a is multiplied by ĝ ≤ 1, never ampli
 
 The (1 + 2^-10) absorbs the FP32 sigmoid's few-ulp error before the FP16 rounding and the subnormal term;
 the second term covers the FP32 products and sums of each merge and the FP32 partials themselves.
-`merge_error_bound` in tests/reference.py computes it. It is a worst case: neighbouring chunks' partials are
-usually much closer than R_c; measured in tests/test_kernel_mla_decode.py, the error is 0.2-18 % of the bound
-(S = 2..64).
+`merge_error_bound` in tests/reference.py computes it (a worst case: neighbouring chunks' partials are usually
+much closer than R_c).
 
 GPU limits (checked, BackendError): power-of-two widths and groups; integer groups of ≥ 32 channels (INT8
 `tl.dot` needs K ≥ 32); fp16 parts ≥ 16 wide; FP16 scales 2-byte aligned, so rows of an even number of bytes

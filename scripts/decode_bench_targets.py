@@ -5,7 +5,8 @@ Usage: python scripts/decode_bench_targets.py runs/cpu29/vnni-*.json
 
 Targets: (1) `auto` ≤ 1.0x the reference (medians) for every codec, batch and context; (2) batch 16 at 4k and 16k:
 the fast path's INT8-row ≤ 0.5x and INT4-row ≤ 0.4x fast FP16 on the fastest rounds, in ≥ 4 of the runs out of 5;
-(3) the W8A8 projections (`int8_matmul`) ≤ their FP32 GEMMs (medians), per projection and summed over a layer.
+(3) the W8A8 projections (`int8_matmul`) ≤ their FP32 GEMMs (medians), per projection and summed over a layer;
+and issue 28's: band codecs (when the runs have them) no slower than INT4-row at batch 16 (fastest rounds).
 """
 
 from __future__ import annotations
@@ -55,6 +56,22 @@ def fast_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def band_table(runs: list[dict]) -> str:
+    """Batch 16: each band codec's fast-path fastest round / INT4-row's in the same run (issue 28: ≤ 1.00)."""
+    cells: dict[tuple, list[float]] = {}
+    for run in runs:
+        fast = {(r["context"], r["codec"]): r["min_s"] for r in run["attention"]
+                if r["batch"] == 16 and r["path"] == "fast"}
+        for (context, codec), t in fast.items():
+            if codec.startswith("band-") and (context, "int4-row") in fast:
+                cells.setdefault((context, codec), []).append(t / fast[(context, "int4-row")])
+    lines = ["| context | codec | fastest / INT4-row's (each run) | runs ≤ 1.00 |", "|---|---|---|---|"]
+    for (context, codec), ratios in sorted(cells.items()):
+        ok = sum(round(x, 2) <= 1.0 for x in ratios)
+        lines.append(f"| {context} | {codec} | {' '.join(f'{x:.2f}' for x in ratios)} | {ok} of {len(ratios)} |")
+    return "\n".join(lines)
+
+
 def projection_table(runs: list[dict]) -> str:
     """Per (batch, projection): int8_matmul / FP32 GEMM (medians) per run."""
     cells: dict[tuple, list[float]] = {}
@@ -75,6 +92,7 @@ def main(argv: list[str]) -> int:
     runs = _load(argv)
     print(f"{len(runs)} runs: {', '.join(argv)}\n")
     tables = (("auto vs reference", auto_table(runs)), ("batch 16, fast path vs fast FP16", fast_table(runs)),
+              ("batch 16, band codecs vs INT4-row", band_table(runs)),
               ("W8A8 projections vs FP32 GEMMs", projection_table(runs)))
     for title, table in tables:
         print(f"### {title}\n\n{table}\n")

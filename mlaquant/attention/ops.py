@@ -40,12 +40,11 @@ from mlaquant.attention.decode_inputs import DecodeInputs, gather_pages
 from mlaquant.errors import BackendError
 from mlaquant.quant.codecs import LayerCodec
 
-# where "auto" on CPU takes the fast path (`auto_takes_fast`, by the rule of `cpu_routing`; thresholds measured by
-# the bench in the module docstring on an AVX-512 VNNI CPU and under ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2)
+# where "auto" on CPU takes the fast path (`auto_takes_fast`, by the rule of `cpu_routing`; the measurements behind
+# each threshold, on an AVX-512 VNNI CPU and under ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2: docs/cpu.md)
 CPU_FAST_MIN_TOKENS = 8192  # cached tokens per call (all sequences together): a float c_kv (FP32 GEMMs)
 # a codec with an integer part read by the C kernels: this many tokens per non-empty sequence on average, by ISA
-# variant (fast / reference at batch 1 and 4: 0.37-0.59 from 1024 on avx512vnni; avx2 grouped int8 1.08 at 4 x 1024,
-# 0.68-0.71 at 2048; avxvnni not measured, so the avx2 figure); batches of shorter sequences measured ~1.0
+# variant (avxvnni not measured: the avx2 figure)
 CPU_NATIVE_MIN_MEAN = {"avx512vnni": 1024, "avxvnni": 2048, "avx2": 2048}
 # an integer c_kv through torch._int_mm (no C kernels; only where torch's int8 GEMM has VNNI):
 CPU_FAST_ROW_MEAN = 2048  # a row-wise one: CPU_FAST_MIN_TOKENS in all, or this many per sequence on average
@@ -214,11 +213,8 @@ def auto_takes_fast(codec: LayerCodec, seq_lens: Tensor, routing: CpuRouting | N
     """Whether "auto" on CPU takes the fast path for a call over seq_lens int [B], by the rule of this machine
     (`cpu_routing`, or `routing`): a codec with an integer part only where the C kernels run (a vector ISA) — from
     `CPU_NATIVE_MIN_MEAN[isa]` tokens per non-empty sequence on average — or where torch's int8
-    GEMM has VNNI (`cpu_decode.prefers` and the `CPU_FAST_*` thresholds of `torch._int_mm`), never otherwise
-    (measured 11-14x slower than the reference on an AVX2-only CPU, issue 29); a float codec from
-    `CPU_FAST_MIN_TOKENS` in all. Measured (fast / reference, the module docstring's bench): fp16 0.67-0.72 at
-    16 x 512 and 4 x 2048, 1.02-1.10 below 8192 tokens; torch._int_mm: int8-row 0.73 at 1 x 2048, 0.74-0.97 at
-    16 x 512, 1.52 at 4 x 1024; int8-g64 1.03-1.20 at 1 x 8192, 1.48 at 4 x 2048, 0.56-0.61 at 16 x 1024."""
+    GEMM has VNNI (`cpu_decode.prefers` and the `CPU_FAST_*` thresholds of `torch._int_mm`), never otherwise;
+    a float codec from `CPU_FAST_MIN_TOKENS` in all. The measurements behind the thresholds: docs/cpu.md."""
     routing = cpu_routing() if routing is None else routing
     live = seq_lens[seq_lens > 0]
     total = int(live.sum())
