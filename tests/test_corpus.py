@@ -12,6 +12,7 @@ import pytest
 from mlaquant.bundled import corpus
 from mlaquant.bundled.train import load_train_config
 from mlaquant.errors import MLAQuantError
+from mlaquant.evaluation.samples import load_texts
 
 
 def _make_tree(root: Path, n: int = 60) -> None:
@@ -73,6 +74,12 @@ def test_split_is_by_path_hash_disjoint_and_capped(tmp_path):
     assert {f.path for f in capped["train"]} == names["train"]
 
 
+def _read_split(path: Path) -> list[corpus.SourceFile]:
+    """One `{"path", "text"}` JSONL split back, as `corpus.write_splits` wrote it."""
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [corpus.SourceFile(str(r["path"]), str(r["text"])) for r in rows]
+
+
 def test_write_and_read_splits_round_trip(tmp_path):
     _make_tree(tmp_path / "src", 120)
     files = corpus.collect_sources(tmp_path / "src")
@@ -81,7 +88,7 @@ def test_write_and_read_splits_round_trip(tmp_path):
     on_disk = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert on_disk == manifest
     for name in corpus.HELD_OUT:
-        back = corpus.read_split(tmp_path / "out" / f"{name}.jsonl")
+        back = _read_split(tmp_path / "out" / f"{name}.jsonl")
         assert back == splits[name]
         entries = manifest["splits"][name]["files"]
         assert [e["path"] for e in entries] == [f.path for f in back]
@@ -91,11 +98,12 @@ def test_write_and_read_splits_round_trip(tmp_path):
     assert not list((tmp_path / "out").glob(".*"))  # no temp files left behind
 
 
-def test_read_split_names_bad_line(tmp_path):
+def test_a_split_read_as_data_names_a_bad_line(tmp_path):
+    """The package reads JSONL splits through `samples.load_texts` (calibration data): a bad line is named."""
     p = tmp_path / "bad.jsonl"
     p.write_text('{"path": "a.py", "text": "x"}\n{"oops": 1}\n')
     with pytest.raises(MLAQuantError, match="bad.jsonl:2"):
-        corpus.read_split(p)
+        load_texts(p)
 
 
 def test_shipped_splits_match_manifest_and_are_small():
@@ -109,7 +117,7 @@ def test_shipped_splits_match_manifest_and_are_small():
     for name in corpus.HELD_OUT:
         path = data / f"{name}.jsonl"
         total += path.stat().st_size
-        files = corpus.read_split(path)
+        files = _read_split(path)
         entries = manifest["splits"][name]["files"]
         assert [e["path"] for e in entries] == [f.path for f in files]
         for f, e in zip(files, entries):

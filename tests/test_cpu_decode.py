@@ -1,7 +1,7 @@
 """The fast CPU decode path (`backend="cpu"`, what "auto" takes on CPU) against the FP32 reference on the
-same quantized cache: within `error_bound` (ragged batch, NaN-filled free slots and blocks, permuted block
-tables, several blocks per sequence); exact arithmetic once the query quantization is taken out; W8A8
-projections through INT32 GEMMs bit-identical to the FP64 emulation."""
+same quantized cache: within tests/reference.py's `cpu_error_bound` (ragged batch, NaN-filled free slots and
+blocks, permuted block tables, several blocks per sequence); exact arithmetic once the query quantization is
+taken out; W8A8 projections through INT32 GEMMs bit-identical to the FP64 emulation."""
 
 from __future__ import annotations
 

@@ -134,21 +134,3 @@ def write_splits(splits: dict[str, list[SourceFile]], out_dir: str | Path, sourc
     manifest["splits"]["train"] = {"files": len(train), "bytes": sum(f.nbytes for f in train)}
     atomic_write(out_dir / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return manifest
-
-
-def read_split(path: str | Path) -> list[SourceFile]:
-    """Read one `{"path", "text"}` JSONL split back."""
-    path = Path(path)
-    if not path.is_file():
-        raise MLAQuantError(f"{path}: split file not found")
-    files = []
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                files.append(SourceFile(str(obj["path"]), str(obj["text"])))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise MLAQuantError(f"{path}:{i}: not a {{'path', 'text'}} JSON object") from e
-    return files

@@ -98,10 +98,11 @@ static inline __attribute__((always_inline)) __m512i dpwssd_z_bcast(__m512i acc,
 #define QCHUNK 128 /* tokens per probability-quantization chunk (even): its [pair][head] block stays in L1 */
 #define INLINE static inline __attribute__((always_inline))
 
-enum { I8_SYM = 0, I8_ASYM = 1, I4_SYM = 2, I4_ASYM = 3, I3_SYM = 4, I2_SYM = 5 };
+enum { I8_SYM = 0, I8_ASYM = 1, I4_SYM = 2, I4_ASYM = 3, I3_SYM = 4, I2_SYM = 5, U8_CODES = 6 };
+/* U8_CODES: internal, bit-stream codes already unpacked to one unsigned byte each (`rows_dots`) */
 #define IS_INT4(kind) ((kind) == I4_SYM || (kind) == I4_ASYM)
 #define SUB_BYTE(kind) ((kind) >= I4_SYM) /* unsigned codes of < 8 bits: maddubs / vpdpbusd take them as they are */
-#define BITS(kind) ((kind) <= I8_ASYM ? 8 : (kind) <= I4_ASYM ? 4 : (kind) == I3_SYM ? 3 : 2)
+#define BITS(kind) ((kind) <= I8_ASYM || (kind) == U8_CODES ? 8 : (kind) <= I4_ASYM ? 4 : (kind) == I3_SYM ? 3 : 2)
 #define BIAS(kind) ((kind) == I4_SYM ? 8 : (kind) == I3_SYM ? 4 : (kind) == I2_SYM ? 2 : 0) /* stored = c' + bias */
 #define IS_ASYM(kind) ((kind) == I8_ASYM || (kind) == I4_ASYM)
 
@@ -320,7 +321,7 @@ INLINE __m256i stream_codes(const uint8_t *p, int64_t w, int bits) { /* w <= 32 
 }
 
 INLINE __m256i sub_byte_codes(int kind, const uint8_t *p, int64_t w) { /* unsigned codes of a sub-byte chunk */
-    return IS_INT4(kind) ? nibbles(p, w / 2) : stream_codes(p, w, BITS(kind));
+    return IS_INT4(kind) ? nibbles(p, w / 2) : kind == U8_CODES ? load32(p, w) : stream_codes(p, w, BITS(kind));
 }
 
 INLINE int32_t hsum(__m256i v) {
@@ -452,9 +453,9 @@ static void corrections(const part_t *p, const int32_t *sums, int64_t n, uint32_
 
 /* out[g * ld_g + m * ld_m + ni] for every group g and a row m (rows of m_rows, A at ap) with the code rows
  * rows[0..nt): the head tiles and groups of one row tile in one call, the kind and nt constants inside. */
-INLINE void rows_dots(const part_t *p, const int kind, const uint8_t *ap, int esize, const uint32_t *corr,
-                      int64_t m_rows, const uint8_t *const *rows, const int nt, int32_t *out, int64_t ld_g,
-                      int64_t ld_m) {
+INLINE void head_tiles(const part_t *p, const int kind, const uint8_t *ap, int esize, const uint32_t *corr,
+                       int64_t m_rows, const uint8_t *const *rows, const int nt, int32_t *out, int64_t ld_g,
+                       int64_t ld_m) {
     const int64_t astride = p->groups * p->nch * CH;
     for (int64_t g = 0; g < p->groups; g++)
         for (int64_t m0 = 0; m0 < m_rows; m0 += DOT_MT) {
@@ -467,6 +468,29 @@ INLINE void rows_dots(const part_t *p, const int kind, const uint8_t *ap, int es
             else if (mt == 2) tile_dots(p, kind, am, astride, esize, g, rows, 2, nt, cg, p->groups, og, ld_m);
             else tile_dots(p, kind, am, astride, esize, g, rows, 1, nt, cg, p->groups, og, ld_m);
         }
+}
+
+/* `head_tiles`; bit-stream codes read by more than one head tile are unpacked once per row tile, to a byte each. */
+INLINE void rows_dots(const part_t *p, const int kind, const uint8_t *ap, int esize, const uint32_t *corr,
+                      int64_t m_rows, const uint8_t *const *rows, const int nt, int32_t *out, int64_t ld_g,
+                      int64_t ld_m) {
+    if ((kind != I3_SYM && kind != I2_SYM) || m_rows <= DOT_MT) {
+        head_tiles(p, kind, ap, esize, corr, m_rows, rows, nt, out, ld_g, ld_m);
+        return;
+    }
+    uint8_t ubuf[DOT_NT][p->width + CH]; /* a chunk's store may run CH bytes past a group's end */
+    const uint8_t *urows[DOT_NT];
+    _Pragma("GCC unroll 16")
+    for (int ni = 0; ni < nt; ni++) {
+        for (int64_t g = 0; g < p->groups; g++)
+            for (int64_t j = 0; j < p->nch; j++) {
+                int64_t c0 = g * p->gs + j * CH, w = p->gs - j * CH < CH ? p->gs - j * CH : CH;
+                _mm256_storeu_si256((__m256i *)(ubuf[ni] + c0),
+                                    stream_codes(rows[ni] + c0 * BITS(kind) / 8, w, BITS(kind)));
+            }
+        urows[ni] = ubuf[ni];
+    }
+    head_tiles(p, U8_CODES, ap, esize, corr, m_rows, urows, nt, out, ld_g, ld_m);
 }
 
 /* rows_dots of one kind and tile width, as a function of its own (its accumulators then stay in registers) */
