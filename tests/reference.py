@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mlaquant.attention.cpu_decode import quantize_query
+from mlaquant.attention import native
+from mlaquant.attention.cpu_decode import native_parts, pv_kind, quantize_query
 from mlaquant.quant.int8_quant import quantize_activation
 
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
@@ -132,9 +133,6 @@ INT_KINDS = ("int8", "int4")
 def cpu_quantized_slices(codec, c_kernels: bool = True) -> list[tuple[int, int, int]]:
     """Where `mla_decode_cpu` quantizes the query: (first channel, channels, group size) of each integer part of
     the row, and of each stored band of a band c_kv part the C kernels read (one group per band)."""
-    from mlaquant.attention import native
-    from mlaquant.attention.cpu_decode import native_parts
-
     slices, start = [], 0
     for rc in (codec.ckv, codec.kpe):
         if rc.spec.kind in INT_KINDS:
@@ -160,8 +158,6 @@ def cpu_error_bound(
     (rounding plus the FP32 product p · s · 32767 / M), 1 / (127 · 256) for the torch ops' two int8 digits
     (row-wise only), p_t = e^(score_t − max); |q_t,c| = |v_t,c| / |s_t,g| for symmetric codes, the codes' bound
     for asymmetric ones (128 int8, 15 int4: their zero points are added apart)."""
-    from mlaquant.attention.cpu_decode import pv_kind
-
     kind = pv_kind(codec, c_kernels)
     if kind != "fp32" and row_scales is None:
         raise ValueError(f"cpu_error_bound: codec {codec.name} decodes P·V on the codes; pass row_scales")

@@ -74,13 +74,15 @@ def block_tokens_for(codec: LayerCodec, c_kernels: bool = True) -> int:
     """Tokens per sequence and block for `codec` (`mlaquant bench decode --batch 16 --fast-blocks`): an integer
     c_kv read by the C kernels needs no FP32 block, so it takes `INT_BLOCK_TOKENS` grouped or not."""
     ckv = codec.ckv
-    kernels = c_kernels and native.kernels() is not None
-    if ckv.spec.kind not in _INT_KINDS:
-        return INT_BLOCK_TOKENS if kernels and native_parts(ckv) is not None else BLOCK_TOKENS
-    if ckv.layout.n_groups == 1 or kernels:
+    if _c_reads(ckv, c_kernels) or (ckv.spec.kind in _INT_KINDS and ckv.layout.n_groups == 1):
         return INT_BLOCK_TOKENS
-    return GROUPED_BLOCK_TOKENS
+    return GROUPED_BLOCK_TOKENS if ckv.spec.kind in _INT_KINDS else BLOCK_TOKENS
 _INT_KINDS = ("int8", "int4")
+
+
+def _c_reads(rc: RowCodec, c_kernels: bool = True) -> bool:
+    """Whether the C kernels read part `rc` on its codes here (`native_parts`; `c_kernels` and built)."""
+    return c_kernels and native.kernels() is not None and native_parts(rc) is not None
 
 
 def native_parts(rc: RowCodec) -> list[tuple[native.Part, int, int]] | None:
@@ -198,7 +200,6 @@ class _Part:
         self.cparts = native_parts(rc) if c_kernels and device.type == "cpu" else None
         self.kern = native.kernels() if self.cparts is not None else None
         if self.kern is not None:
-            self.is_int = True
             self.native, self.bias, self.perm = None, 0, None
             return
         # int4 codes from the C unpack (None: not asked for or not built, torch ops); symmetric ones read
@@ -256,6 +257,10 @@ class _Part:
             return unpack_nibbles(raw, dense)
         return torch.bitwise_xor(raw, 0x80, out=dense).view(torch.int8)
 
+    def c_args(self, query: list[tuple[Tensor, Tensor]]) -> list[tuple[native.Part, int, Tensor, Tensor]]:
+        """The C kernels' (part, byte offset in the row, q8, qs) of each C part, for its slice of `query`."""
+        return [(cp, self.offset + off, q8, qs) for (cp, off, _), (q8, qs) in zip(self.cparts, query)]
+
     def quantized_query(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """`quantize_query` of the part's query x [..., H, W] with the stored grouping, in the codes' channel
         order: (q8 int8 [..., H, W], qs fp32 [..., H, n_g])."""
@@ -270,11 +275,11 @@ class _Part:
         [B, n_g, H, G], qs · factor fp32 [B, n_g, H, 1], qlo = Σq8 · qs fp32 [B, H, n_g] (asym, else None),
         bias · Σq8 int32 [B, n_g, H, 1] (unsigned int4, else None)); q8 is quantized from x itself, so it
         stays the kernel's."""
-        if not self.is_int:
-            return (x * factor).contiguous()
         if self.kern is not None:  # per C part: (q8 int8 [B, H, w], qs · factor fp32 [B, H, n_g]), stored order
             quantized = (quantize_query(x[..., ch : ch + cp.width], cp.group_size) for cp, _, ch in self.cparts)
             return [(q8.contiguous(), (qs * factor).contiguous()) for q8, qs in quantized]
+        if not self.is_int:
+            return (x * factor).contiguous()
         batch, heads, _ = x.shape
         q8, qs = self.quantized_query(x)  # [B, H, W], [B, H, n_g]
         qs = qs * factor
@@ -388,8 +393,7 @@ class _Group:
                 out = self.ws.get(p.name + ".scores", (a, self.acc.shape[1], t), torch.float32) if scores is None \
                     else scores
                 for i in range(a):
-                    mine = [(cp, pk.offset + off, q8[i], qs[i]) for pk, qk in both
-                            for (cp, off, _), (q8, qs) in zip(pk.cparts, qk)]
+                    mine = [arg for pk, qk in both for arg in pk.c_args([(q8[i], qs[i]) for q8, qs in qk])]
                     p.kern.scores(blk.rows(i), t, mine, out[i], scores is not None)  # zeroed rows past the end: masked
                 scores = out
                 continue
@@ -565,8 +569,7 @@ def mla_decode_cpu(
     acc = ws.get("acc", (n, heads, d_c), torch.float32).zero_()  # a reused buffer: no fresh pages to fault in
     if in_place and n:
         block_tokens = max(pool.shape[1], block_tokens // pool.shape[1] * pool.shape[1])
-        c_parts = [(cp, p.offset + off, q8, qs) for p, qp in zip(parts, queries)
-                   for (cp, off, _), (q8, qs) in zip(p.cparts, qp)]
+        c_parts = [arg for p, qp in zip(parts, queries) for arg in p.c_args(qp)]
         parts[0].kern.decode(pool, [torch.tensor(pages[b], dtype=torch.int64) for b in order], [lens[b] for b in order],
                              block_tokens, c_parts, acc, m, total, tuple(ch for _, _, ch in parts[0].cparts))
     for g0 in range(0, 0 if in_place else n, group):  # torch-op blocks: gathered rows, in groups of sequences
@@ -590,9 +593,6 @@ def _rows(query, begin: int, end: int):
 def pv_kind(codec: LayerCodec, c_kernels: bool = True) -> str:
     """How `mla_decode_cpu` runs P·V of `codec`'s c_kv: "int16" (the C kernels, an integer c_kv row-wise or grouped),
     "digits" (torch ops, a row-wise integer c_kv: two int8 digits), or "fp32"."""
-    kernels = c_kernels and native.kernels() is not None
-    if codec.ckv.spec.kind not in _INT_KINDS:
-        return "int16" if kernels and native_parts(codec.ckv) is not None else "fp32"
-    if kernels:
+    if _c_reads(codec.ckv, c_kernels):
         return "int16"
-    return "digits" if codec.ckv.layout.n_groups == 1 else "fp32"
+    return "digits" if codec.ckv.spec.kind in _INT_KINDS and codec.ckv.layout.n_groups == 1 else "fp32"
