@@ -51,7 +51,7 @@ from tqdm import tqdm
 
 from mlaquant.calib import transform
 from mlaquant.calib.data import shift_description, shift_source, split_path
-from mlaquant.calib.observers import LatentStats, observe, observe_streamed
+from mlaquant.calib.observers import LatentStats, observe
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.device import add_device_arguments, auto_batch_size, peak_memory, place
 from mlaquant.device import from_args as device_from_args
@@ -60,9 +60,10 @@ from mlaquant.errors import MLAQuantError
 from mlaquant.evaluation.eval import EvalResult, Evaluator, sample_bytes
 from mlaquant.evaluation.samples import token_samples
 from mlaquant.modeling.int8_proj import with_int8_projections
-from mlaquant.modeling.model import MLAModel, hadamard_signs, latent_rotation, with_latent_rotation
-from mlaquant.modeling.stream import StreamedEvaluator, StreamedModel
-from mlaquant.quant.codecs import CodecError, LayerCodec
+from mlaquant.modeling.model import MLAModel, hadamard_signs, latent_rotation
+from mlaquant.modeling.protocol import LatentModel
+from mlaquant.modeling.stream import StreamedModel
+from mlaquant.quant.codecs import CodecError, LayerCodec, split_pair
 from mlaquant.quant.ranges import percentile_bounds
 from mlaquant.runtime.plan import LayerPlan, Plan
 
@@ -160,73 +161,64 @@ class LayerVariants:
     Variants are keyed (c_kv rotation, rotate k_pe): c_kv False (plain), True (Hadamard) or "pca" (its
     principal axes, `mlaquant.calib.transform`, for 'pca-<rate>' candidates, with `self.pca` and the rotated
     second moments `self.pca_moments`); a Hadamard part rotates only if its width is a power of two.
+    `widths`: the model's latent widths (d_c, d_r).
     """
 
-    def __init__(self, stats: LatentStats, d_c: int, d_r: int, cfg: CalibrateConfig, seed: int) -> None:
+    def __init__(self, stats: LatentStats, widths: tuple[int, int], cfg: CalibrateConfig, seed: int) -> None:
         plain = stats.sample()
+        d_c, d_r = widths
+        self.d_c, self.d_r = d_c, d_r
         pow2 = lambda n: n & (n - 1) == 0
         self.signs = hadamard_signs(d_c, seed) if cfg.try_rotation and pow2(d_c) else None
         # k_pe's signs from another seed than c_kv's (any fixed one; 7919 is just a prime)
         self.rope_signs = hadamard_signs(d_r, seed + 7919) if cfg.try_rotation and pow2(d_r) else None
         self.pca = self.pca_moments = None
         c_rotations = [False] + ([True] if self.signs is not None else [])
-        if any(transform.is_transform_candidate(c.split("/")[0]) for c in cfg.candidates):
+        if any(transform.is_transform_candidate(split_pair(c)[0]) for c in cfg.candidates):
             self.pca, self.pca_moments = transform.principal_rotation(plain[:, :d_c])
             c_rotations.append("pca")
         self.band_block, self.band_bits = cfg.band_block, tuple(cfg.band_bits)
         self.rows = {}
         for rot_c in c_rotations:
             for rot_r in (False, True) if self.rope_signs is not None else (False,):
-                rows = plain @ self.rotation(rot_c, rot_r, d_c, d_r) if rot_c or rot_r else plain
+                rows = plain @ self.rotation(rot_c, rot_r) if rot_c or rot_r else plain
                 self.rows[rot_c, rot_r] = rows
         self.bounds = {k: percentile_bounds(rows, cfg.percentile) for k, rows in self.rows.items()}
 
-    def rotation(self, rotate: bool | str, rotate_rope: bool, d_c: int, d_r: int) -> torch.Tensor:
-        """The [d_c + d_r, d_c + d_r] rotation of variant (rotate, rotate_rope)."""
-        r = latent_rotation(self.signs if rotate is True else None, self.rope_signs if rotate_rope else None, d_c, d_r)
+    def rotation(self, rotate: bool | str, rotate_rope: bool) -> torch.Tensor:
+        """The [d_c + d_r, d_c + d_r] float32 rotation of variant (rotate, rotate_rope)."""
+        signs, rope_signs = self.signs if rotate is True else None, self.rope_signs if rotate_rope else None
+        r = latent_rotation(signs, rope_signs, self.d_c, self.d_r)
         if rotate == "pca":
-            r[:d_c, :d_c] = self.pca
+            r[: self.d_c, : self.d_c] = self.pca
         return r
 
     def resolve(self, name: str) -> str:
         """`name` with a 'pca-<rate>' c_kv part replaced by this layer's band codec (`transform.band_spec`)."""
-        ckv, kpe = name.split("/")
+        ckv, kpe = split_pair(name)
         if transform.is_transform_candidate(ckv):
             ckv = transform.band_spec(ckv, self.pca_moments, self.band_block, self.band_bits)
         return f"{ckv}/{kpe}"
 
     def variants_for(self, name: str) -> list[tuple]:
         """The variant keys a candidate is tried in: the PCA basis for 'pca-<rate>' c_kv, the others else."""
-        pca = transform.is_transform_candidate(name.split("/")[0])
+        pca = transform.is_transform_candidate(split_pair(name)[0])
         return [k for k in self.rows if (k[0] == "pca") == pca]
 
-    def codec(self, name: str, clip: bool, variant: tuple, d_c: int, d_r: int) -> LayerCodec:
-        ckv, kpe = self.resolve(name).split("/")
+    def codec(self, name: str, clip: bool, variant: tuple) -> LayerCodec:
+        ckv, kpe = split_pair(self.resolve(name))
         lo, hi = self.bounds[variant] if clip else (None, None)
-        return LayerCodec.from_names(ckv, kpe, d_c, d_r, lo, hi)
+        return LayerCodec.from_names(ckv, kpe, self.d_c, self.d_r, lo, hi)
 
 
-def rotated(model: MLAModel | StreamedModel, rotations: dict[int, torch.Tensor]) -> MLAModel | StreamedModel:
-    """`with_latent_rotation` for a loaded or a layer-streamed (`--stream`) model."""
-    return model.rotated(rotations) if isinstance(model, StreamedModel) else with_latent_rotation(model, rotations)
-
-
-def applied(plan: Plan, model: MLAModel | StreamedModel) -> MLAModel | StreamedModel:
-    """`plan.apply(model)` for a loaded or a layer-streamed model."""
-    if isinstance(model, StreamedModel):
-        return model.rotated(plan.rotations(model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim))
-    return plan.apply(model)
-
-
-def layer_variants(model: MLAModel, stats: list[LatentStats], cfg: CalibrateConfig) -> list[LayerVariants]:
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    return [LayerVariants(s, d_c, d_r, cfg, cfg.seed + i) for i, s in enumerate(stats)]
+def layer_variants(model: LatentModel, stats: list[LatentStats], cfg: CalibrateConfig) -> list[LayerVariants]:
+    return [LayerVariants(s, model.cfg.latent_widths, cfg, cfg.seed + i) for i, s in enumerate(stats)]
 
 
 PROXY_ROWS = 16384
 
 
-def best_variant(v: LayerVariants, name: str, try_clip: bool, d_c: int, d_r: int) -> tuple[bool, bool, bool]:
+def best_variant(v: LayerVariants, name: str, try_clip: bool) -> tuple[bool, bool, bool]:
     """(rotate, rotate_rope, clip) with the lowest mean relative row error on the calibration rows.
 
     Rotations are orthogonal, so the relative error of a row is comparable with and without them;
@@ -235,7 +227,7 @@ def best_variant(v: LayerVariants, name: str, try_clip: bool, d_c: int, d_r: int
     """
     stride = max(1, v.rows[False, False].shape[0] // PROXY_ROWS)
     errors = {
-        (*variant, clip): v.codec(name, clip, variant, d_c, d_r).relative_error(v.rows[variant][::stride])
+        (*variant, clip): v.codec(name, clip, variant).relative_error(v.rows[variant][::stride])
         for variant in v.variants_for(name)
         for clip in ((False, True) if try_clip else (False,))
     }
@@ -243,7 +235,7 @@ def best_variant(v: LayerVariants, name: str, try_clip: bool, d_c: int, d_r: int
 
 
 def measure_layers(
-    model: MLAModel,
+    model: LatentModel,
     validation: Validation,
     variants: list[LayerVariants],
     cfg: CalibrateConfig,
@@ -251,22 +243,20 @@ def measure_layers(
 ) -> list[list[Choice]]:
     """Per layer, the candidates sorted by bytes, each with its single-layer loss on the validation split (and
     on the second domain, when on)."""
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     n = len(model.layers)
     table = []
     for i, v in enumerate(variants):
         choices = []
         for name in cfg.candidates:
-            row_bytes = v.codec(name, False, (False, False), d_c, d_r).row_bytes
+            row_bytes = v.codec(name, False, (False, False)).row_bytes
             if name == "fp16/fp16":
                 zero = None if validation.second is None else 0.0
                 choices.append(Choice(name, False, False, False, row_bytes, 0.0, zero))
                 continue
-            rotate, rotate_rope, clip = best_variant(v, name, cfg.try_clip, d_c, d_r)
-            rot = v.rotation(rotate, rotate_rope, d_c, d_r)
-            m = rotated(model, {i: rot}) if rotate or rotate_rope else model
+            rotate, rotate_rope, clip = best_variant(v, name, cfg.try_clip)
+            m = model.rotated({i: v.rotation(rotate, rotate_rope)}) if rotate or rotate_rope else model
             codecs = [None] * n
-            codecs[i] = v.codec(name, clip, (rotate, rotate_rope), d_c, d_r)
+            codecs[i] = v.codec(name, clip, (rotate, rotate_rope))
             losses = [
                 None if ev is None else ev.evaluate(codecs, first_layer=i, model=m, loss_only=True).loss
                 for ev in (validation.primary, validation.second)
@@ -425,7 +415,7 @@ class Validation:
         self.primary, self.second = primary, second
 
     def check(
-        self, model: MLAModel | StreamedModel, plan: Plan, loss_only: bool = False, target: float | None = None
+        self, model: LatentModel, plan: Plan, loss_only: bool = False, target: float | None = None
     ) -> Checked:
         """`plan` through every check (the second domain loss only); with `target`, a plan already over it on
         the validation split is not run through the second domain (its `loss` is over `target` either way)."""
@@ -466,13 +456,8 @@ class Verified:
     checked: Checked
 
 
-def evaluator_class(model: MLAModel | StreamedModel) -> type[Evaluator]:
-    """`Evaluator`, or its layer-major twin for a layer-streamed model (same numbers)."""
-    return StreamedEvaluator if isinstance(model, StreamedModel) else Evaluator
-
-
 def progress_total(
-    model: MLAModel | StreamedModel,
+    model: LatentModel,
     cfg: CalibrateConfig,
     cal: torch.Tensor,
     val: torch.Tensor,
@@ -488,24 +473,23 @@ def progress_total(
     )
 
 
-def long_batch(model: MLAModel | StreamedModel, cfg: CalibrateConfig, seq_len: int) -> int:
+def long_batch(model: LatentModel, cfg: CalibrateConfig, seq_len: int) -> int:
     """Samples per batch of windows of `seq_len` tokens: what fits half the free GPU memory, else at most 4."""
     return auto_batch_size(model.device, sample_bytes(model, seq_len), None, default=min(cfg.batch_size, 4))
 
 
 def observe_variants(
-    model: MLAModel | StreamedModel, cal: torch.Tensor, cfg: CalibrateConfig, progress
+    model: LatentModel, cal: torch.Tensor, cfg: CalibrateConfig, progress
 ) -> list[LayerVariants]:
     """Stage observe: per-layer latent ranges and row samples of the calibration tokens [n, seq_len] int64,
     plain and rotated."""
     progress.set_postfix_str("observing ranges")
-    observe_fn = observe_streamed if isinstance(model, StreamedModel) else observe
-    stats = observe_fn(model, cal, cfg.batch_size, progress=progress)
+    stats = observe(model, cal, cfg.batch_size, progress=progress)
     return layer_variants(model, stats, cfg)
 
 
 def measure(
-    model: MLAModel | StreamedModel,
+    model: LatentModel,
     val: torch.Tensor,
     variants: list[LayerVariants],
     cfg: CalibrateConfig,
@@ -516,10 +500,10 @@ def measure(
     domain's [m, long_seq_len], when given), then every layer's single-layer loss per candidate on the
     validation split (and per layer's W8A8 projections with `int8_matmul`)."""
     progress.set_postfix_str("fp16 reference")
-    evaluator = evaluator_class(model)(model, val, cfg.batch_size, progress=progress)
+    evaluator = Evaluator(model, val, cfg.batch_size, progress=progress)
     if second is not None:
         batch = long_batch(model, cfg, second.shape[1])
-        validation = Validation(evaluator, evaluator_class(model)(model, second, batch, progress=progress))
+        validation = Validation(evaluator, Evaluator(model, second, batch, progress=progress))
     else:
         validation = Validation(evaluator)
     progress.set_postfix_str("per-layer sensitivity")
@@ -532,15 +516,14 @@ def measure(
 
 
 def build_plan(
-    model: MLAModel | StreamedModel, m: Measurements, pick: list[int], notes: dict[int, str], budget: float
+    model: LatentModel, m: Measurements, pick: list[int], notes: dict[int, str], budget: float
 ) -> Plan:
     """The plan of candidate `pick[i]` per layer, with its tensors (clip and observed ranges, rotation
-    signs) and each layer's guard bound (worst row error on the calibration rows)."""
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    signs) and each layer's guard bound (worst row error on the calibration rows); bound to `model`."""
     layers, tensors = [], {}
     for i, p in enumerate(pick):
         ch, v = m.table[i][p], m.variants[i]
-        ckv, kpe = v.resolve(ch.name).split("/")
+        ckv, kpe = split_pair(v.resolve(ch.name))
         variant = (ch.rotate, ch.rotate_rope)
         lo, hi = v.bounds[variant]
         tensors[f"layer{i}.clip_lo"], tensors[f"layer{i}.clip_hi"] = lo, hi
@@ -552,19 +535,18 @@ def build_plan(
             tensors[f"layer{i}.rope_rotation_signs"] = v.rope_signs
         rows = v.rows[variant]
         tensors[f"layer{i}.range_lo"], tensors[f"layer{i}.range_hi"] = rows.min(0).values, rows.max(0).values
-        err = max_row_error(rows, v.codec(ch.name, ch.clip, variant, d_c, d_r))
+        err = max_row_error(rows, v.codec(ch.name, ch.clip, variant))
         note = notes.get(i, "")
         layers.append(LayerPlan(ckv, kpe, ch.clip, bool(ch.rotate), ch.rotate_rope, ch.loss, err, note=note))
-    return Plan(layers=layers, fingerprint=model.fingerprint(), budget=budget, tensors=tensors)
+    return Plan(layers=layers, fingerprint=model.fingerprint(), budget=budget, tensors=tensors).bind(model.cfg)
 
 
-def verify(model: MLAModel | StreamedModel, evaluator: Evaluator, plan: Plan, loss_only: bool = False) -> EvalResult:
-    """The whole plan through `evaluator` (every layer quantized, rotations applied)."""
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    return evaluator.evaluate(plan.layer_codecs(d_c, d_r), model=applied(plan, model), loss_only=loss_only)
+def verify(model: LatentModel, evaluator: Evaluator, plan: Plan, loss_only: bool = False) -> EvalResult:
+    """The whole plan (bound to `model`) through `evaluator` (every layer quantized, rotations applied)."""
+    return evaluator.evaluate(plan.layer_codecs(), model=plan.apply(model), loss_only=loss_only)
 
 
-def fall_back(model: MLAModel | StreamedModel, m: Measurements, pick: list[int], cfg: CalibrateConfig) -> Verified:
+def fall_back(model: LatentModel, m: Measurements, pick: list[int], cfg: CalibrateConfig) -> Verified:
     """Stage fallback: verify the searched `pick` by every validation check; while over `headroom × budget`,
     the layer with the largest single-layer loss (`Choice.worst`) moves to its `wider` candidate, each move
     recorded."""
@@ -593,7 +575,7 @@ def fall_back(model: MLAModel | StreamedModel, m: Measurements, pick: list[int],
     return Verified(pick, fallbacks, {}, plan, checked)
 
 
-def narrow(model: MLAModel | StreamedModel, m: Measurements, v: Verified, cfg: CalibrateConfig) -> Verified:
+def narrow(model: LatentModel, m: Measurements, v: Verified, cfg: CalibrateConfig) -> Verified:
     """Stage narrow: up to `narrow_trials` cheaper candidates (`narrowing_moves`, never a layer that fell
     back), each verified end to end by every check; a move is kept while the plan stays under
     `headroom × budget`."""
@@ -621,7 +603,7 @@ def narrow(model: MLAModel | StreamedModel, m: Measurements, v: Verified, cfg: C
     return Verified(pick, v.fallbacks, notes, plan, m.validation.check(model, plan))
 
 
-def int8_projections(model: MLAModel, m: Measurements, v: Verified, cfg: CalibrateConfig) -> Verified:
+def int8_projections(model: LatentModel, m: Measurements, v: Verified, cfg: CalibrateConfig) -> Verified:
     """Stage int8: with `cfg.int8_matmul`, W8A8 projections on top of the verified cache plan
     (`add_int8_matmul`, which sets the flags on `v.plan`); without it, `v` unchanged."""
     if not cfg.int8_matmul:
@@ -632,7 +614,7 @@ def int8_projections(model: MLAModel, m: Measurements, v: Verified, cfg: Calibra
 
 
 def build_report(
-    model: MLAModel | StreamedModel,
+    model: LatentModel,
     cfg: CalibrateConfig,
     sources: Sources,
     samples: tuple[torch.Tensor, torch.Tensor],
@@ -643,7 +625,6 @@ def build_report(
     """Stage report: the plan's test-split metrics, fallbacks, metrics and settings filled in; returns the
     plan and the report dict. `samples`: the (calibration, validation) tokens; `t0`: the run's start
     (`time.perf_counter`)."""
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     plan, (cal, val) = v.plan, samples
     report = {"validation": v.checked.result.as_dict()}
     if v.checked.second is not None:
@@ -657,7 +638,7 @@ def build_report(
         test = token_samples(
             model.tokenizer, sources.test, cfg.test_samples, cfg.seq_len, cfg.seed + 2, model.cfg.eos_id
         )
-        report["test"] = verify(model, evaluator_class(model)(model, test, cfg.batch_size), plan).as_dict()
+        report["test"] = verify(model, Evaluator(model, test, cfg.batch_size), plan).as_dict()
     if cfg.test_samples and cfg.long_seq_len and cfg.long_test_samples:
         report["long_context"] = long_context(model, cfg, sources, plan)
     if cfg.shift_samples or cfg.shift_long_samples:
@@ -667,9 +648,9 @@ def build_report(
     plan.fallbacks = v.fallbacks
     kept = ("validation", "shift_validation", "test", "long_context", "shift")
     plan.metrics = {k: report[k] for k in kept if k in report} | {
-        "bytes_per_token_per_layer": plan.bytes_per_token(d_c, d_r) / len(model.layers),
-        "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
-        "fp16_bytes_per_token_per_layer": (d_c + d_r) * 2,
+        "bytes_per_token_per_layer": plan.bytes_per_token() / len(model.layers),
+        "bits_per_value": round(plan.bits_per_value(), 4),
+        "fp16_bytes_per_token_per_layer": model.cfg.latent_dim * 2,
         "candidates": {f"layer{i}": [describe(c) for c in row] for i, row in enumerate(m.table)},
     }
     plan.settings = {
@@ -687,28 +668,27 @@ def build_report(
     return plan, report
 
 
-def long_context(model: MLAModel | StreamedModel, cfg: CalibrateConfig, sources: Sources, plan: Plan) -> dict:
+def long_context(model: LatentModel, cfg: CalibrateConfig, sources: Sources, plan: Plan) -> dict:
     """Stage long: `plan` on `long_test_samples` test windows of `long_seq_len` tokens [n, long_seq_len]
     (loss by position bucket). Over `plan.budget` there, the fixes are measured on the same tokens and
-    listed (`long_context_fixes`); the plan itself is left as calibrated."""
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    listed (`long_context_fixes`); the plan (bound to `model`) itself is left as calibrated."""
     ids = token_samples(
         model.tokenizer, sources.test, cfg.long_test_samples, cfg.long_seq_len, cfg.seed + 3, model.cfg.eos_id
     )
-    evaluator = evaluator_class(model)(model, ids, long_batch(model, cfg, cfg.long_seq_len))
+    evaluator = Evaluator(model, ids, long_batch(model, cfg, cfg.long_seq_len))
     result = verify(model, evaluator, plan)
     out = {"seq_len": int(ids.shape[1]), "result": result.as_dict(), "holds": result.loss <= plan.budget, "fixes": []}
     if not out["holds"]:
         for name, fixed, window in long_context_fixes(plan, cfg.long_window):
-            r = evaluator.evaluate(fixed.layer_codecs(d_c, d_r), model=applied(fixed, model), window=window)
-            bits = fixed.bits_per_value(d_c, d_r)
+            r = evaluator.evaluate(fixed.layer_codecs(), model=fixed.apply(model), window=window)
+            bits = fixed.bits_per_value()
             out["fixes"].append(
                 {"fix": name, "bits_per_value": round(bits, 4), "loss": r.loss, "holds": r.loss <= plan.budget}
             )
     return out
 
 
-def off_distribution(model: MLAModel | StreamedModel, cfg: CalibrateConfig, sources: Sources, plan: Plan) -> dict:
+def off_distribution(model: LatentModel, cfg: CalibrateConfig, sources: Sources, plan: Plan) -> dict:
     """Stage shift: `plan` on the off-distribution text (`sources.shift`), `shift_samples` windows of `seq_len`
     and `shift_long_samples` of `long_seq_len` tokens, each [n, T]; `holds` when every length is within
     `plan.budget`. Measured, reported, never used to choose (like the test split)."""
@@ -717,7 +697,7 @@ def off_distribution(model: MLAModel | StreamedModel, cfg: CalibrateConfig, sour
         if not n or not seq_len:
             continue
         ids = token_samples(model.tokenizer, sources.shift, n, seq_len, cfg.seed + seed, model.cfg.eos_id)
-        result = verify(model, evaluator_class(model)(model, ids, long_batch(model, cfg, seq_len)), plan)
+        result = verify(model, Evaluator(model, ids, long_batch(model, cfg, seq_len)), plan)
         runs.append({"seq_len": int(ids.shape[1]), "result": result.as_dict()})
     holds = all(r["result"]["loss"] <= plan.budget for r in runs)
     return {"data": sources.shift_name, "runs": runs, "holds": holds}
@@ -736,7 +716,7 @@ def long_context_fixes(plan: Plan, window: int) -> list[tuple[str, Plan, int]]:
 
 
 def calibrate(
-    model: MLAModel | StreamedModel,
+    model: LatentModel,
     cfg: CalibrateConfig,
     data: str | Path | None = None,
     val_data: str | Path | None = None,
@@ -754,13 +734,12 @@ def calibrate(
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json; calibration needs text → tokens")
     model = place(model, device, dtype)
-    fits, skipped = fitting_candidates(cfg.candidates, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim,
-                                       cfg.band_block)
+    fits, skipped = fitting_candidates(cfg.candidates, *model.cfg.latent_widths, cfg.band_block)
     cfg = dataclasses.replace(cfg, batch_size=calibration_batch_size(model, cfg), candidates=fits)
     if model.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(model.device)
     t0 = time.perf_counter()
-    if isinstance(model, StreamedModel) and cfg.int8_matmul:
+    if cfg.int8_matmul and not model.supports_int8_projections:
         raise MLAQuantError("calibrate: int8_matmul is not supported with --stream (load the model whole)")
     sources, tok, eos = Sources.resolve(data, val_data, test_data, shift_data), model.tokenizer, model.cfg.eos_id
     cal = token_samples(tok, sources.calibration, cfg.samples, cfg.seq_len, cfg.seed, eos)
@@ -786,7 +765,7 @@ def fitting_candidates(candidates: tuple, d_c: int, d_r: int, band_block: int = 
     that do not tile c_kv); MLAQuantError when none but the FP16 fallback fits."""
     fits, skipped = [], []
     for name in candidates:
-        ckv, kpe = name.split("/")
+        ckv, kpe = split_pair(name)
         try:
             if transform.is_transform_candidate(ckv):  # stand-in: one band of the whole width
                 if d_c % band_block:
@@ -803,24 +782,23 @@ def fitting_candidates(candidates: tuple, d_c: int, d_r: int, band_block: int = 
     return tuple(fits), skipped
 
 
-def calibration_batch_size(model: MLAModel | StreamedModel, cfg: CalibrateConfig) -> int:
+def calibration_batch_size(model: LatentModel, cfg: CalibrateConfig) -> int:
     """`cfg.batch_size` when given; else as many samples as fit half the free GPU memory, 8 off CUDA."""
     return auto_batch_size(model.device, sample_bytes(model, cfg.seq_len), cfg.batch_size, default=8)
 
 
-def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    fp16 = (d_c + d_r) * 2
+def summary_table(plan: Plan, model: LatentModel, report: dict) -> str:
+    fp16 = model.cfg.latent_dim * 2
     lines = [
         "| layer | c_kv | k_pe | clip | rotate c_kv | rotate k_pe | int8 matmul | bytes/token | vs FP16 "
         "| val loss (layer alone) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, lp in enumerate(plan.layers):
-        rb = plan.layer_codec(i, d_c, d_r).row_bytes
+        rb = plan.layer_codec(i).row_bytes
         flags = " | ".join("yes" if f else "no" for f in (lp.clip, lp.rotate, lp.rotate_rope, lp.int8_matmul))
         lines.append(f"| {i} | {lp.ckv} | {lp.kpe} | {flags} | {rb} | {fp16 / rb:.2f}× | {lp.loss:+.3%} |")
-    total = plan.bytes_per_token(d_c, d_r)
+    total = plan.bytes_per_token()
     lines.append(f"| all | | | | | | | {total} | {fp16 * len(plan.layers) / total:.2f}× | |")
     out = "\n".join(lines)
     for split in ("validation", "test"):
@@ -841,7 +819,7 @@ def summary_table(plan: Plan, model: MLAModel, report: dict) -> str:
         sv = report["shift_validation"]
         out += f"\n  (search also held third-party validation @{sv['seq_len']}: loss {sv['loss']:+.3%}; {sv['data']})"
     out += (
-        f"\nbudget {plan.budget:.2%}; {plan.bits_per_value(d_c, d_r):.2f} bits/value; "
+        f"\nbudget {plan.budget:.2%}; {plan.bits_per_value():.2f} bits/value; "
         f"{len(plan.fallbacks)} fallback(s); {report['seconds']} s, peak RSS {report['peak_rss_mib']} MiB"
         + (f", peak GPU {report['peak_gpu_mib']} MiB" if "peak_gpu_mib" in report else "")
         + f" ({plan.settings.get('device')}, {plan.settings.get('dtype')} weights)"
@@ -899,14 +877,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_arguments(p)
 
 
-def json_summary(plan: Plan, model: MLAModel | StreamedModel, report: dict, out: Path) -> dict:
+def json_summary(plan: Plan, model: LatentModel, report: dict, out: Path) -> dict:
     """What `calibrate --json` prints: the plan per layer, its size, the measured splits, timings."""
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     layers = [
         {
             **{k: getattr(lp, k) for k in ("ckv", "kpe", "clip", "rotate", "rotate_rope", "int8_matmul", "loss")},
             "layer": i,
-            "bytes_per_token": plan.layer_codec(i, d_c, d_r).row_bytes,
+            "bytes_per_token": plan.layer_codec(i).row_bytes,
         }
         for i, lp in enumerate(plan.layers)
     ]
@@ -914,8 +891,8 @@ def json_summary(plan: Plan, model: MLAModel | StreamedModel, report: dict, out:
         "plan": str(out),
         "model": model.source,
         "budget": plan.budget,
-        "bits_per_value": round(plan.bits_per_value(d_c, d_r), 4),
-        "bytes_per_token": plan.bytes_per_token(d_c, d_r),
+        "bits_per_value": round(plan.bits_per_value(), 4),
+        "bytes_per_token": plan.bytes_per_token(),
         "layers": layers,
         **{k: report[k] for k in ("validation", "test", "long_context", "shift", "skipped_candidates") if k in report},
         "fallbacks": len(plan.fallbacks),

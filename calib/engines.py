@@ -33,16 +33,15 @@ def price(model, tokens: dict[int, torch.Tensor], rows: list[tuple[str, object]]
           progress: bool = True) -> tuple[list[dict], dict[int, float]]:
     """Loss of each (label, plan) in `rows` on `tokens` (context → token windows [n, T]), teacher-forced
     through the cache: per label the bytes per token and layer, bits per value, and per context the loss and
-    the loss by position bucket; and per context the FP16 reference's mean NLL."""
+    the loss by position bucket; and per context the FP16 reference's mean NLL. Each plan bound to `model`."""
     from mlaquant.evaluation.eval import Evaluator
 
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     evaluators = {t: Evaluator(model, ids, batch_size) for t, ids in tokens.items()}
     out = []
     for label, plan in tqdm(rows, desc="engines", disable=not progress):
-        codecs = plan.layer_codecs(d_c, d_r)
-        row = {"label": label, "bytes_per_token_per_layer": plan.bytes_per_token(d_c, d_r) / len(codecs),
-               "bits_per_value": plan.bits_per_value(d_c, d_r), "contexts": {}}
+        codecs = plan.layer_codecs()
+        row = {"label": label, "bytes_per_token_per_layer": plan.bytes_per_token() / len(codecs),
+               "bits_per_value": plan.bits_per_value(), "contexts": {}}
         for t, ev in evaluators.items():
             r = ev.evaluate(codecs, model=plan.apply(model), window=plan.window, loss_only=True)
             row["contexts"][t] = {"loss": r.loss, "by_position": r.by_position}
@@ -153,13 +152,13 @@ def run(args: argparse.Namespace) -> int:
     tokens = {t: token_samples(model.tokenizer, source, max(1, args.tokens // t), t, args.seed, model.cfg.eos_id)
               for t in contexts}
     n = len(model.layers)
-    rows = [(f.name, Plan.uniform(f.codec, n)) for f in FORMATS if _fits(f, model)]
+    rows = [(f.name, Plan.uniform(f.codec, n).bind(model.cfg)) for f in FORMATS if _fits(f, model)]
     skipped = [f.name for f in FORMATS if not _fits(f, model)]
-    rows += [(f"mlaquant {c}", Plan.uniform(c, n)) for c in parse_list(args.codecs, "--codecs") or []]
+    rows += [(f"mlaquant {c}", Plan.uniform(c, n).bind(model.cfg)) for c in parse_list(args.codecs, "--codecs") or []]
     if args.plan:
         plan = Plan.load(args.plan)
         plan.check_model(model)
-        rows.append((f"mlaquant plan {args.plan}", plan))
+        rows.append((f"mlaquant plan {args.plan}", plan.bind(model.cfg)))
     priced, ref = price(model, tokens, rows, 8, progress=not args.quiet)
     ours = {} if args.no_llama_cpp else llama_cpp_losses(model, tokens, ref)
     report = {"model": model.source, "data": str(args.data), "contexts": contexts, "rows": priced,
@@ -170,10 +169,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _fits(f: CacheFormat, model) -> bool:
     """Whether the format's codecs divide the model's latent widths (a q4_0 k_pe needs d_r % 32 == 0)."""
-    from mlaquant.quant.codecs import CodecError, LayerCodec
+    from mlaquant.quant.codecs import CodecError, LayerCodec, split_pair
 
     try:
-        LayerCodec.from_names(*f.codec.split("/"), model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)
+        LayerCodec.from_names(*split_pair(f.codec), *model.cfg.latent_widths)
     except CodecError:
         return False
     return True

@@ -2,9 +2,9 @@
 
 One pass of the model over the calibration samples records, for every layer and channel, the
 running min / max / absmax exactly, and keeps a strided subsample of rows (at most `max_rows` per
-layer) for percentiles and for measuring per-row quantization error and clip rate. `observe` runs a
-loaded `MLAModel`; `observe_streamed` runs a `StreamedModel` (`mlaquant.modeling.stream`) layer-major and
-returns the same statistics bit for bit.
+layer) for percentiles and for measuring per-row quantization error and clip rate. `observe` runs any
+`mlaquant.modeling.protocol.LatentModel`: a loaded `MLAModel`, or a `StreamedModel` layer-major with the same
+statistics bit for bit.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mlaquant.errors import MLAQuantError
-from mlaquant.modeling.model import MLAModel
-from mlaquant.modeling.stream import StreamedModel
+from mlaquant.modeling.protocol import LatentModel
 
 
 @dataclass
@@ -59,21 +58,11 @@ class LatentObserver:
         return rows
 
 
-def observe(model: MLAModel, samples: torch.Tensor, batch_size: int = 8, max_rows: int = 65536, progress=None):
-    """Run the calibration samples [N, T] through `model`; returns [LatentStats] per layer."""
-    every = max(1, samples.numel() // max_rows)
-    observer = LatentObserver(len(model.layers), every)
-    for ids in samples.split(batch_size):
-        model(ids.to(model.device), observer)
-        if progress is not None:
-            progress.update(1)
-    return observer.stats
-
-
-def observe_streamed(
-    model: StreamedModel, samples: torch.Tensor, batch_size: int = 8, max_rows: int = 65536, progress=None
+def observe(
+    model: LatentModel, samples: torch.Tensor, batch_size: int = 8, max_rows: int = 65536, progress=None
 ) -> list[LatentStats]:
-    """`observe`, layer-major over a `StreamedModel`: the same [LatentStats] per layer."""
+    """Run the calibration samples [N, T] int64 through `model` in batches of `batch_size`; returns
+    [LatentStats] per layer."""
     every = max(1, samples.numel() // max_rows)
     observer = LatentObserver(len(model.layers), every)
     model.run(list(samples.split(batch_size)), observer, progress=progress)

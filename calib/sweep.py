@@ -12,7 +12,7 @@ was chosen on):
                 calibration / validation splits, sizes from `calibrate:` in configs/sweep.yaml)
     engine      `engines`: other engines' cache settings as mlaquant codecs (`mlaquant.integrations.engines.FORMATS`,
                 values bit-exact with each engine's quantizer)
-    peer        `mlaquant.evaluation.peers`: transformers' default cache, its QuantizedCache, bitsandbytes NF4,
+    peer        `mlaquant.calib.peers`: transformers' default cache, its QuantizedCache, bitsandbytes NF4,
                 llama.cpp
 
 Each row reports bytes/token/layer, bits/value, cache MiB at each context, compression against the
@@ -44,13 +44,13 @@ import mlaquant
 from mlaquant.atomic import atomic_write
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.data import split_path
+from mlaquant.calib.peers import PeerSpec, PeerUnavailable, torch_threads
 from mlaquant.config import ConfigError, load_config, to_dict
 from mlaquant.device import add_device_arguments, auto_batch_size
 from mlaquant.device import from_args as device_from_args
 from mlaquant.errors import MLAQuantError, PlanError
 from mlaquant.evaluation import report as report_mod
 from mlaquant.evaluation.eval import Evaluator, sample_bytes
-from mlaquant.evaluation.peers import PeerSpec, PeerUnavailable, torch_threads
 from mlaquant.evaluation.samples import token_samples
 from mlaquant.integrations.engines import FORMATS
 from mlaquant.modeling.model import MLAModel
@@ -236,7 +236,6 @@ class SweepRun:
         self, model: MLAModel, samples: torch.Tensor, cfg: SweepConfig, plans: dict[str, Plan]
     ) -> None:
         self.model, self.samples, self.cfg, self.plans = model, samples, cfg, plans
-        self.d_c, self.d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
         self._evaluator: Evaluator | None = None
         self._hf = None
         self.prompt = samples[:1, : min(cfg.decode_context, samples.shape[1])]
@@ -257,28 +256,28 @@ class SweepRun:
             return self.measure_peer(PeerSpec.parse(row.spec["peer"]))
         if row.kind == "calibrated":
             return self.measure_plan(self.plans[row.id])
-        plan = Plan.uniform(row.spec["codec"], len(self.model.layers))  # ours, window, engine
+        plan = Plan.uniform(row.spec["codec"], len(self.model.layers)).bind(self.model.cfg)  # ours, window, engine
         if row.kind == "engine":
             try:
-                plan.layer_codecs(self.d_c, self.d_r)
+                plan.layer_codecs()
             except CodecError as e:  # e.g. a 128-value tile on a narrower c_kv: the engine could not store it
                 raise PeerUnavailable(f"does not fit this model ({e})") from e
         return self.measure_plan(plan)
 
     def measure_plan(self, plan: Plan) -> dict:
-        codecs = plan.layer_codecs(self.d_c, self.d_r)
+        codecs = plan.layer_codecs()
         result = self.evaluator.evaluate(codecs, model=plan.apply(self.model), window=plan.window)
-        bpt = plan.bytes_per_token(self.d_c, self.d_r) / len(codecs)
+        bpt = plan.bytes_per_token() / len(codecs)
         out = {
             "codec": plan.name if plan.name != "calibrated" else plan_label(plan),
             "bytes_per_token_per_layer": bpt,
-            "bits_per_value": plan.bits_per_value(self.d_c, self.d_r),
+            "bits_per_value": plan.bits_per_value(),
             "metrics": result.as_dict(),
             "decode_tokens_per_s": self.decode_tokens_per_s(plan),
         }
         if plan.window:
             out["residual_tokens"] = plan.window
-            out["residual_bytes_per_token_per_layer"] = (self.d_c + self.d_r) * 2
+            out["residual_bytes_per_token_per_layer"] = self.model.cfg.latent_dim * 2
         return out
 
     def decode_tokens_per_s(self, plan: Plan) -> float:
@@ -295,7 +294,7 @@ class SweepRun:
         return 1.0 / statistics.median(times[1:])
 
     def measure_peer(self, spec: PeerSpec) -> dict:
-        from mlaquant.evaluation import peers
+        from mlaquant.calib import peers
 
         if spec.name == "bnb-nf4":
             return peers.measure_nf4(self.evaluator, self.cfg.nf4_blocksize)
@@ -306,8 +305,7 @@ class SweepRun:
             self._hf = peers.TransformersPeers(
                 self.model.source,
                 self.model.dtype,
-                self.d_c,
-                self.d_r,
+                *self.model.cfg.latent_widths,
                 cfg.peer_group_size,
                 cfg.peer_residual_length,
                 self.model.device,
@@ -350,7 +348,7 @@ def row_specs(cfg: SweepConfig, plans: dict[str, Plan], plan_digests: dict[str, 
 
 
 def load_plans(plan_dirs: list[str], model: MLAModel, data: Path) -> dict[str, Plan]:
-    """`--plan DIR ...`: each checked against the model and against the test text."""
+    """`--plan DIR ...`: each checked against the model and against the test text, and bound to the model."""
     if not plan_dirs:
         raise MLAQuantError("--plan: empty plan list (give one or more plan directories)")
     plans = {}
@@ -360,13 +358,13 @@ def load_plans(plan_dirs: list[str], model: MLAModel, data: Path) -> dict[str, P
         for key in ("data", "val_data"):
             if same_path(plan.settings.get(key), data):
                 raise PlanError(f"{d}: plan was chosen on {data} ({key}); report on held-out text (--data)")
-        plans[f"plan:{Path(d).resolve().name}"] = plan
+        plans[f"plan:{Path(d).resolve().name}"] = plan.bind(model.cfg)
     return plans
 
 
 def calibrated_plans(model: MLAModel, cfg: SweepConfig, out: Path, quiet: bool) -> dict[str, Plan]:
     """Plans at each budget in DIR/plans/budget-<b>, and of each tier config at the target budget in
-    DIR/plans/<tier>-<b>, reusing one calibrated earlier with the same settings."""
+    DIR/plans/<tier>-<b>, reusing one calibrated earlier with the same settings; bound to `model`."""
     runs = [(f"budget-{b:g}", calibrate_config(cfg, b)) for b in cfg.budgets]
     runs += [(f"{Path(t).stem.removeprefix('calibrate-')}-{cfg.target_budget:g}",
               calibrate_config(cfg, cfg.target_budget, t)) for t in cfg.tiers]
@@ -388,7 +386,7 @@ def calibrated_plans(model: MLAModel, cfg: SweepConfig, out: Path, quiet: bool) 
             plan, _ = calibrate(model, ccfg, cfg.calibration_data, cfg.validation_data, quiet=quiet)
             plan.save(plan_dir)
             plan = Plan.load(plan_dir)
-        plans[f"plan:{name}"] = plan
+        plans[f"plan:{name}"] = plan.bind(model.cfg)
     return plans
 
 
@@ -470,9 +468,8 @@ def sweep(
     data = Path(data) if data is not None else split_path("test")
     batch = auto_batch_size(model.device, sample_bytes(model, cfg.seq_len), cfg.batch_size, default=8)
     cfg = dataclasses.replace(cfg, batch_size=batch)
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     for name in (*cfg.codecs, *cfg.window_codecs):
-        Plan.uniform(name, len(model.layers)).layer_codecs(d_c, d_r)  # a codec that does not fit the widths
+        Plan.uniform(name, len(model.layers)).bind(model.cfg).layer_codecs()  # a codec that does not fit the widths
     plans, digests, plan_source = resolve_plans(model, cfg, out, data, plan_dirs, quiet)
     samples = token_samples(model.tokenizer, data, cfg.samples, cfg.seq_len, cfg.seed, model.cfg.eos_id)
     specs = row_specs(cfg, plans, digests)

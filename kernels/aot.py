@@ -281,9 +281,9 @@ def decode_variants(heads=HEADS, codecs=DECODE_CODECS, config=None) -> list[Vari
 def decode_variant(name: str, heads: int, context: int, config, batch: int = BATCH, n_sm: int | None = None):
     """(the stage-1 decode Variant of codec pair `name` at this shape, its stage-0 query launch or None)."""
     from mlaquant.kernels import mla_decode as K
-    from mlaquant.quant.codecs import LayerCodec
+    from mlaquant.quant.codecs import LayerCodec, split_pair
 
-    codec = LayerCodec.from_names(*name.split("/"), D_C, D_R)
+    codec = LayerCodec.from_names(*split_pair(name), D_C, D_R)
     launch, _, stage0 = _decode_launch(K, codec, heads, context, config, n_sm, batch)
     return Variant("mla_decode", name, heads, launch, {
         "codec": codec, "row_bytes": codec.row_bytes, "block_n": launch.kwargs["BLOCK_N"],

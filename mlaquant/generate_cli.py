@@ -18,6 +18,8 @@ from mlaquant.errors import MLAQuantError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from mlaquant.attention.backends import Backend
+
     p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -25,9 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--backend", default="auto", choices=["auto", "cpu", "torch", "triton"],
-                   help="decode attention: auto = triton on CUDA; on CPU the fast cpu path where it measured "
-                   "faster (ops.auto_takes_fast), else torch; torch = the FP32 reference")
+    p.add_argument("--backend", default="auto", choices=Backend.choices(),
+                   help="decode attention: auto = triton on CUDA where the kernel reads the codec; on CPU the fast "
+                   "cpu path where this machine's routing rule says it is faster, else torch; torch = the FP32 "
+                   "reference")
     p.add_argument(
         "--guard-config",
         default=None,

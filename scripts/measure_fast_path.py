@@ -1,5 +1,5 @@
 """Does the fast CPU decode path keep a calibrated plan's accuracy? Step-decode held-out text through the
-plan on the fast path (backend "cpu", what "auto" takes on CPU for long calls: `ops.auto_takes_fast`) and
+plan on the fast path (backend "cpu", what "auto" takes on CPU for long calls: `backends.CpuRouting.takes`) and
 on the FP32 reference (backend "torch", what teacher-forced evaluation computes), compare perplexity
 against the FP16 cache, and check that greedy `generate` picks the same tokens on both paths.
 

@@ -64,7 +64,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model = load_model(args.model)
-    d_c, d_r, n = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim, len(model.layers)
+    n = len(model.layers)
     tok, eos = model.tokenizer, model.cfg.eos_id
     stats = observe(model, token_samples(tok, split_path("calibration"), 64, args.seq_len, 0, eos))
     splits = {
@@ -77,8 +77,7 @@ def main() -> None:
         for name in names:
             for which in ("absmax/qmax", "this release"):
                 with rule(which):
-                    plan = Plan.uniform(name, n)
-                    layer_codecs = plan.layer_codecs(d_c, d_r)
+                    layer_codecs = Plan.uniform(name, n).bind(model.cfg).layer_codecs()
                     sqnr = [sqnr_db(c, stats[i].sample()) for i, c in enumerate(layer_codecs)]
                     row = {"codec": name, "rule": which, "sqnr_db": sum(sqnr) / n}
                     row |= {k: ev.evaluate(layer_codecs, loss_only=True).loss for k, ev in splits.items()}

@@ -22,12 +22,13 @@ import torch
 from tqdm import tqdm
 
 from mlaquant import load_model
+from mlaquant.attention.reference import causal_attention
 from mlaquant.calib.data import split_path
 from mlaquant.calib.observers import observe
 from mlaquant.calib.transform import allocate_bands, principal_rotation
 from mlaquant.evaluation.eval import Evaluator
 from mlaquant.evaluation.samples import token_samples
-from mlaquant.modeling.model import causal_attention, hadamard_rotation, hadamard_signs
+from mlaquant.modeling.model import hadamard_rotation, hadamard_signs
 from mlaquant.runtime.plan import LayerPlan, Plan
 
 ROWS = [  # label, rotation, allocation (rate of c_kv code bits per value), weighting, k_pe codec
@@ -62,7 +63,7 @@ def query_moments(model, ids: torch.Tensor) -> list[torch.Tensor]:
 
 def row_plan(model, stats, queries, rotation: str, allocation, weighting, kpe: str) -> Plan:
     """The plan of one ablation row: per layer its c_kv rotation and band codec, k_pe Hadamard-rotated."""
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
+    d_c, d_r = model.cfg.latent_widths
     layers, tensors = [], {}
     for i, s in enumerate(stats):
         c = s.sample()[:, :d_c]
@@ -83,7 +84,7 @@ def row_plan(model, stats, queries, rotation: str, allocation, weighting, kpe: s
         tensors[f"layer{i}.rope_rotation_signs"] = hadamard_signs(d_r, 7919 + i)
         name = "band" + "".join(f"-{b}x{w}" for b, w in bands)
         layers.append(LayerPlan(name, kpe, rotate=True, rotate_rope=True))
-    return Plan(layers=layers, fingerprint=model.fingerprint(), tensors=tensors)
+    return Plan(layers=layers, fingerprint=model.fingerprint(), tensors=tensors).bind(model.cfg)
 
 
 def main() -> None:
@@ -94,7 +95,6 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     model = load_model(args.model)
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
     tok, eos = model.tokenizer, model.cfg.eos_id
     cal = token_samples(tok, split_path("calibration"), 64, args.seq_len, 0, eos)
     stats = observe(model, cal)
@@ -105,9 +105,9 @@ def main() -> None:
     results = []
     for label, rotation, allocation, weighting, kpe in tqdm(ROWS, desc="ablation"):
         plan = row_plan(model, stats, queries, rotation, allocation, weighting, kpe)
-        codecs, rotated = plan.layer_codecs(d_c, d_r), plan.apply(model)
+        codecs, rotated = plan.layer_codecs(), plan.apply(model)
         losses = {k: ev.evaluate(codecs, model=rotated, loss_only=True).loss for k, ev in splits.items()}
-        results.append({"row": label, "bits_per_value": plan.bits_per_value(d_c, d_r), **losses,
+        results.append({"row": label, "bits_per_value": plan.bits_per_value(), **losses,
                         "layer0": plan.layers[0].codec_name})
     print(f"{args.samples} x {args.seq_len} tokens per split; rotations and allocations from 64 calibration samples")
     print("| configuration | bits/value | validation | test | layer 0's codec |")

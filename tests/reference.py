@@ -77,7 +77,7 @@ def kernel_reference(
 def merge_gated_fp16_reference(out_parts: Tensor, lse_parts: Tensor) -> tuple[Tensor, Tensor]:
     """Torch mirror of the kernel's stage 2 (`merge_gated_fp16`): fold S partials [..., S, D] / LSEs [..., S]
     left to right with the FP16 sigmoid gate -> ([..., D] fp32, [...] fp32). Same arithmetic as
-    `_merge_kernel`."""
+    `mlaquant.kernels.mla_decode_jit.merge_kernel`."""
     h = out_parts[..., 0, :].float()
     lse = lse_parts[..., 0].float()
     for k in range(1, out_parts.shape[-2]):

@@ -88,12 +88,12 @@ def _pca_plan(model, rows_seed: int = 0) -> Plan:
 
 
 def test_pca_band_plan_round_trips_and_decodes_as_teacher_forced(tiny_model, tmp_path):
-    d_c, d_r = tiny_model.cfg.kv_lora_rank, tiny_model.cfg.qk_rope_head_dim
-    plan = _pca_plan(tiny_model)
+    d_c, d_r = tiny_model.cfg.latent_widths
+    plan = _pca_plan(tiny_model).bind(tiny_model.cfg)
     plan.save(tmp_path / "p")
-    loaded = Plan.load(tmp_path / "p")
-    for i, r in plan.rotations(d_c, d_r).items():
-        assert torch.equal(loaded.rotations(d_c, d_r)[i][:d_c, :d_c], plan.tensors[f"layer{i}.ckv_rotation"])
+    loaded = Plan.load(tmp_path / "p").bind(tiny_model.cfg)
+    for i, r in plan.rotations().items():
+        assert torch.equal(loaded.rotations()[i][:d_c, :d_c], plan.tensors[f"layer{i}.ckv_rotation"])
         assert torch.equal(r[d_c:, d_c:], torch.eye(d_r))
     session = DecodeSession(tiny_model, plan=tmp_path / "p", backend="torch")
     assert session.codecs[0].row_bytes == (4 + 3 + 2 * 2) + 3 * 2 + d_r // 2 + 2

@@ -38,7 +38,7 @@ def test_plan_is_under_budget_on_validation_and_loads(bundled, plan_1pct, tmp_pa
     assert report["validation"]["loss"] <= 0.8 * 0.01
     cfg = bundled.cfg
     fp16 = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 * cfg.num_hidden_layers
-    assert plan.bytes_per_token(cfg.kv_lora_rank, cfg.qk_rope_head_dim) < fp16 / 2
+    assert plan.bytes_per_token() < fp16 / 2
     plan.save(tmp_path / "plan")
     # plan.yaml lists every measured candidate per layer; the chosen one with the loss the layer records
     listed = Plan.load(tmp_path / "plan").metrics["candidates"]
@@ -47,15 +47,13 @@ def test_plan_is_under_budget_on_validation_and_loads(bundled, plan_1pct, tmp_pa
         assert any(line.startswith(f"{lp.codec_name}: ") and f"{lp.loss:+.4%}" in line for line in listed[f"layer{i}"])
     session = DecodeSession(bundled, plan=tmp_path / "plan")
     assert [c.name for c in session.codecs] == [
-        c.name for c in Plan.load(tmp_path / "plan").layer_codecs(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        c.name for c in Plan.load(tmp_path / "plan").bind(cfg).layer_codecs()
     ]
 
 
 def test_tighter_budget_gives_wider_plan(bundled, plan_1pct):
-    cfg = bundled.cfg
-    d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     tight, report = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.0001), quiet=True)
-    assert tight.bytes_per_token(d_c, d_r) > plan_1pct[0].bytes_per_token(d_c, d_r)
+    assert tight.bytes_per_token() > plan_1pct[0].bytes_per_token()
     assert report["validation"]["loss"] <= 0.8 * 0.0001
 
 
@@ -155,7 +153,7 @@ def test_int8_matmul_enters_the_search_and_falls_back(bundled):
     ev = Evaluator(bundled, token_samples(bundled.tokenizer, split_path("validation"), 4, 64, 0, 0))
     costs = int8_matmul_costs(bundled, ev)
     fallbacks = []
-    plan = Plan.uniform("fp16", n)
+    plan = Plan.uniform("fp16", n).bind(bundled.cfg)
     add_int8_matmul(plan, bundled, Validation(ev), costs, -1.0, fallbacks)
     assert not any(lp.int8_matmul for lp in plan.layers)
     assert [f["layer"] for f in fallbacks] == sorted(range(n), key=costs.__getitem__, reverse=True)
@@ -198,7 +196,7 @@ def test_long_context_check_reports_buckets_and_measures_fixes_when_over_budget(
     # tokens a searched plan can read below 0, so the stage is called on a plan known to break it)
     from mlaquant.calib.calibrate import Sources, long_context
 
-    tight = dataclasses.replace(Plan.uniform("int4-row", len(bundled.layers)), budget=0.00001)
+    tight = dataclasses.replace(Plan.uniform("int4-row", len(bundled.layers)), budget=0.00001).bind(bundled.cfg)
     over = long_context(bundled, CalibrateConfig(**SMALL, budget=0.00001), Sources.resolve(None, None, None), tight)
     assert not over["holds"] and over["result"]["loss"] > 0.00001  # so the fixes must be measured
     fixes = {f["fix"]: f for f in over["fixes"]}

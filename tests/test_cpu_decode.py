@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from mlaquant import DecodeSession
-from mlaquant.attention import native, ops
+from mlaquant.attention import backends, native, ops
+from mlaquant.attention.backends import CpuBackend, resolve_backend
 from mlaquant.attention.cpu_decode import mla_decode_cpu, pv_kind, quantize_query
-from mlaquant.attention.ops import mla_decode, mla_decode_reference, resolve_backend
+from mlaquant.attention.decode_inputs import DecodeInputs
+from mlaquant.attention.ops import mla_decode
+from mlaquant.attention.reference import mla_decode_reference
 from mlaquant.errors import BackendError
 from mlaquant.modeling.int8_proj import grouped_int8_matmul, quantize_grouped
 from mlaquant.quant.codecs import LayerCodec, packed_as
@@ -93,9 +96,10 @@ def test_fast_path_within_stated_bound_of_reference(names, block_tokens, group, 
     by the C kernels (every part integer: rows read in place from the permuted pages) and by torch ops."""
     codec = LayerCodec.from_names(*names, D_C, D_R)
     q, pool, table, lens, decoded, scales = _cache(codec, LENS)
-    out, lse = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=block_tokens, group=group,
+    inputs = DecodeInputs(q, pool, table, lens, codec, D_C)
+    out, lse = mla_decode_cpu(inputs, SCALE, block_tokens=block_tokens, group=group,
                               c_kernels=c_kernels)
-    ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = mla_decode_reference(inputs, SCALE)
     d_lse, d_out = cpu_error_bound(q, decoded, codec, D_C, SCALE, scales, c_kernels=c_kernels)
     assert torch.isfinite(out).all()
     empty = lens == 0
@@ -107,7 +111,7 @@ def test_fast_path_within_stated_bound_of_reference(names, block_tokens, group, 
     # without the query quantization, the scores are exact up to FP32 rounding (the INT32 dots are exact)
     # and the output moves only by FP32 rounding and, for row-wise integer c_kv, the P·V digit term
     q_eff = _effective_query(q, codec, c_kernels)
-    ref_out, ref_lse = mla_decode_reference(q_eff, pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = mla_decode_reference(DecodeInputs(q_eff, pool, table, lens, codec, D_C), SCALE)
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
     _, d_exact = cpu_error_bound(q_eff, decoded, codec, D_C, SCALE, scales, quantized_query=False,
                                  c_kernels=c_kernels)
@@ -116,10 +120,10 @@ def test_fast_path_within_stated_bound_of_reference(names, block_tokens, group, 
         assert (out - ref_out).abs().max() > 1e-6
 
 
-NATIVE = ops.CpuRouting("AVX2", "avx2", torch_vnni=False)  # the C kernels built: avx2 ...
-NATIVE_VNNI = ops.CpuRouting("AVX512", "avx512vnni", torch_vnni=True)  # ... or avx512vnni
-INT_MM = ops.CpuRouting("AVX512", None, torch_vnni=True)  # no C kernels; torch._int_mm on VNNI
-NEITHER = ops.CpuRouting("AVX2", None, torch_vnni=False)  # no C kernels, no VNNI (issue 29's machine)
+NATIVE = backends.CpuRouting("AVX2", "avx2", torch_vnni=False)  # the C kernels built: avx2 ...
+NATIVE_VNNI = backends.CpuRouting("AVX512", "avx512vnni", torch_vnni=True)  # ... or avx512vnni
+INT_MM = backends.CpuRouting("AVX512", None, torch_vnni=True)  # no C kernels; torch._int_mm on VNNI
+NEITHER = backends.CpuRouting("AVX2", None, torch_vnni=False)  # no C kernels, no VNNI (issue 29's machine)
 
 
 def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_reference(monkeypatch):
@@ -129,14 +133,14 @@ def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_referen
         resolve_backend("cpu", "cuda")
     codec = LayerCodec.from_names("int8", "fp16", D_C, D_R)
     q, pool, table, lens, _, _ = _cache(codec, [20, 33])
-    fast = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE)
-    ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    fast = mla_decode_cpu(DecodeInputs(q, pool, table, lens, codec, D_C), SCALE)
+    ref = mla_decode_reference(DecodeInputs(q, pool, table, lens, codec, D_C), SCALE)
     assert not torch.equal(fast[0], ref[0])
     for backend, want in (("cpu", fast), ("torch", ref), ("auto", ref)):  # 53 tokens < any threshold
         for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend=backend), want):
             assert torch.equal(a, b), backend
     if native.chosen_isa() in native.VECTOR_ISAS:
-        monkeypatch.setitem(ops.CPU_NATIVE_MIN_MEAN, native.chosen_isa(), 26)  # 26.5 per sequence: auto goes fast
+        monkeypatch.setitem(backends.CPU_NATIVE_MIN_MEAN, native.chosen_isa(), 26)  # 26.5 per sequence: auto goes fast
         for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
             assert torch.equal(a, b)
 
@@ -156,39 +160,40 @@ def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_referen
     (INT_MM, ("int8-g64", "fp16"), [8192], False),  # grouped: 16384 in all and 1024 per sequence
     (INT_MM, ("int8-g64", "fp16"), [1024] * 16, True),
     (INT_MM, ("int8-g64", "fp16"), [512] * 32, False),
-    (INT_MM, ("int4-g32", "int4-row"), [8192] * 4, False),  # 16 groups: never (`cpu_decode.prefers`)
+    (INT_MM, ("int4-g32", "int4-row"), [8192] * 4, False),  # 16 groups: never (`backends.CPU_INT_MM_MAX_GROUPS`)
     (NEITHER, ("int8-row", "int8-row"), [16384] * 16, False),  # integer parts: never
     (NEITHER, ("fp16", "int4-row"), [16384] * 16, False),
     (NEITHER, ("fp16", "fp16"), [512] * 16, True),  # float ones: FP32 GEMMs as anywhere
 ])
-def test_auto_takes_fast_by_the_rule_of_the_machine(routing, names, lens, fast):
+def test_cpu_backend_takes_calls_by_the_rule_of_the_machine(routing, names, lens, fast):
     codec = LayerCodec.from_names(*names, 512, 64)
-    assert ops.auto_takes_fast(codec, torch.tensor(lens, dtype=torch.int32), routing) is fast
+    reason = CpuBackend(routing).supports(codec, torch.device("cpu"), torch.tensor(lens, dtype=torch.int32))
+    assert (reason is None) is fast, reason
 
 
 def test_routing_follows_the_capability(monkeypatch, fresh_native_build):
     """The rule is read from this machine: torch's capability and VNNI, whether the C kernels build."""
-    monkeypatch.setattr(ops, "torch_int8_vnni", lambda: False)
+    monkeypatch.setattr(backends, "torch_int8_vnni", lambda: False)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    routing = ops.cpu_routing()
+    routing = backends.cpu_routing()
     assert routing.capability == "AVX2"
     assert routing.integer == ("native" if native.runnable("avx2") else "reference")
     assert routing.native_isa in (None, "scalar", "avx2", "avxvnni")  # never AVX-512 under an AVX2 capability
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    assert ops.cpu_routing().native_isa in (None, "scalar") and ops.cpu_routing().integer == "reference"
+    assert backends.cpu_routing().native_isa in (None, "scalar") and backends.cpu_routing().integer == "reference"
     assert "integer caches on the reference" in ops.describe_backend("auto", "cpu")
 
 
 def test_without_c_kernels_or_vnni_auto_keeps_integer_codecs_on_the_reference(monkeypatch, fresh_native_build):
     """Issue 29's machine: no compiler and torch's int8 GEMM without VNNI; even a long batch stays on torch."""
     fresh_native_build.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(ops, "torch_int8_vnni", lambda: False)
+    monkeypatch.setattr(backends, "torch_int8_vnni", lambda: False)
     with pytest.warns(UserWarning, match="no C compiler"):
-        assert ops.cpu_routing().integer == "reference"
+        assert backends.cpu_routing().integer == "reference"
     codec = LayerCodec.from_names("int8-row", "int4-row", D_C, D_R)
     q, pool, table, lens, _, _ = _cache(codec, [9000, 8000])
-    assert ops.auto_takes_fast(codec, lens) is False
-    ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    assert CpuBackend().supports(codec, torch.device("cpu"), lens) is not None
+    ref = mla_decode_reference(DecodeInputs(q, pool, table, lens, codec, D_C), SCALE)
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), ref):
         assert torch.equal(a, b)
 
@@ -208,7 +213,7 @@ def test_int8_projections_int32_gemm_bit_identical_to_fp64_emulation(shape):
 def test_session_on_fast_path_close_to_reference_and_greedy_equal(tiny_model, plan):
     ids = torch.randint(0, tiny_model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     fast, ref = DecodeSession(tiny_model, plan=plan), DecodeSession(tiny_model, plan=plan, backend="torch")
-    assert fast.backend == "cpu" and ref.backend == "torch"
+    assert resolve_backend(fast.backend, "cpu") == "cpu" and ref.backend == "torch"
     fast.prefill(ids[:, :4])
     ref.prefill(ids[:, :4])
     for t in range(4, ids.shape[1]):
@@ -220,36 +225,35 @@ def test_session_on_fast_path_close_to_reference_and_greedy_equal(tiny_model, pl
 
 
 def test_auto_keeps_many_group_codecs_on_the_reference_without_c_kernels(monkeypatch):
-    from mlaquant.attention.cpu_decode import prefers
-
-    assert prefers(LayerCodec.from_names("int4-g32", "int4-row", 512, 64), c_kernels=True)  # C: any grouping
-    assert prefers(LayerCodec.from_names("int4-row", "int8-row", 512, 64), c_kernels=False)
-    assert prefers(LayerCodec.from_names("int8-g64", "fp16", 512, 64), c_kernels=False)  # 8 groups
-    assert not prefers(LayerCodec.from_names("int4-g32", "int4-row", 512, 64), c_kernels=False)  # 16: a GEMM each
+    long = torch.tensor([8192] * 4, dtype=torch.int32)
+    assert NATIVE_VNNI.takes(LayerCodec.from_names("int4-g32", "int4-row", 512, 64), long) is None  # C: any grouping
+    assert INT_MM.takes(LayerCodec.from_names("int4-row", "int8-row", 512, 64), long) is None
+    assert INT_MM.takes(LayerCodec.from_names("int8-g64", "fp16", 512, 64), long) is None  # 8 groups
+    assert "groups" in INT_MM.takes(LayerCodec.from_names("int4-g32", "int4-row", 512, 64), long)  # 16: a GEMM each
     codec = LayerCodec.from_names("int4-g16", "fp16", D_C, D_R)  # 4 groups at this width
-    monkeypatch.setattr(ops, "cpu_routing", lambda: INT_MM)
-    monkeypatch.setattr("mlaquant.attention.cpu_decode.FAST_MAX_GROUPS", 2)
-    monkeypatch.setattr(ops, "CPU_FAST_GROUPED_TOKENS", 1)
-    monkeypatch.setattr(ops, "CPU_FAST_MIN_MEAN", 1)
+    monkeypatch.setattr(backends, "cpu_routing", lambda: INT_MM)
+    monkeypatch.setattr(backends, "CPU_INT_MM_MAX_GROUPS", 2)
+    monkeypatch.setattr(backends, "CPU_FAST_GROUPED_TOKENS", 1)
+    monkeypatch.setattr(backends, "CPU_FAST_MIN_MEAN", 1)
     q, pool, table, lens, _, _ = _cache(codec, [20, 33])
-    ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    ref = mla_decode_reference(DecodeInputs(q, pool, table, lens, codec, D_C), SCALE)
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), ref):
         assert torch.equal(a, b)
     # now auto takes the torch ops (no C kernels)
-    monkeypatch.setattr("mlaquant.attention.cpu_decode.FAST_MAX_GROUPS", 8)
-    want = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, c_kernels=False)
+    monkeypatch.setattr(backends, "CPU_INT_MM_MAX_GROUPS", 8)
+    want = mla_decode_cpu(DecodeInputs(q, pool, table, lens, codec, D_C), SCALE, c_kernels=False)
     for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), want):
         assert torch.equal(a, b)
 
 
 def test_reused_buffers_give_the_same_result_across_shapes_and_threads():
-    """The per-thread Workspace: a call after calls of other shapes, and two threads at once, return
+    """The per-thread buffers: a call after calls of other shapes, and two threads at once, return
     exactly what a first call does."""
     import threading
 
     codec = LayerCodec.from_names("int4-row", "int4-row", D_C, D_R)
     big, small = _cache(codec, LENS, seed=1), _cache(codec, [5, 90], seed=2)
-    run = lambda c: mla_decode_cpu(*c[:4], codec, D_C, SCALE, block_tokens=32)  # noqa: E731
+    run = lambda c: mla_decode_cpu(DecodeInputs(*c[:4], codec, D_C), SCALE, block_tokens=32)  # noqa: E731
     first = run(big)
     run(small)
     assert all(torch.equal(a, b) for a, b in zip(run(big), first))

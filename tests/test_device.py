@@ -113,7 +113,7 @@ def test_bf16_plan_within_budget_and_decodes_in_fp32(models, tmp_path):
     m32, m16 = models
     plan, report = calibrate(m16, CalibrateConfig(**SMALL, budget=0.02), quiet=True)
     assert plan.settings["dtype"] == "bfloat16" and plan.settings["device"] == "cpu"
-    assert report["test"]["loss"] <= 0.02 and plan.bits_per_value(128, 32) < 16
+    assert report["test"]["loss"] <= 0.02 and plan.bits_per_value() < 16
     plan.save(tmp_path / "bf16")
     loaded = Plan.load(tmp_path / "bf16")
     assert loaded.fingerprint == m32.fingerprint()
@@ -170,7 +170,8 @@ def test_runtime_allocates_nothing_on_a_fixed_device(tiny_model):
             for _ in range(3):
                 nxt = session.decode(nxt).argmax(-1)
         evaluator = Evaluator(tiny_model, ids, batch_size=1)
-        evaluator.evaluate(Plan.uniform("int4", tiny_model.cfg.num_hidden_layers).layer_codecs(32, 8), window=4)
+        int4 = Plan.uniform("int4", tiny_model.cfg.num_hidden_layers).bind(tiny_model.cfg)
+        evaluator.evaluate(int4.layer_codecs(), window=4)
     assert rec.implicit == []
 
 

@@ -22,7 +22,7 @@ def bundled():
 
 def test_position_buckets_partition_targets_and_match_the_cut_samples(bundled):
     ids = token_samples(bundled.tokenizer, split_path("test"), 2, 700, 0, bundled.cfg.eos_id)  # [2, 700]
-    codecs = Plan.uniform("int4-row", 4).layer_codecs(bundled.cfg.kv_lora_rank, bundled.cfg.qk_rope_head_dim)
+    codecs = Plan.uniform("int4-row", 4).bind(bundled.cfg).layer_codecs()
     full = Evaluator(bundled, ids, 2).evaluate(codecs)
     assert [b["positions"] for b in full.by_position] == [[0, 512], [512, 699]]
     assert sum(b["tokens"] for b in full.by_position) == full.tokens == 2 * 699

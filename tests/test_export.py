@@ -20,12 +20,13 @@ from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.data import split_path
 from mlaquant.cli import main
 from mlaquant.errors import MLAQuantError, PlanError
+from mlaquant.evaluation.eval import Evaluator
 from mlaquant.evaluation.samples import token_samples
 from mlaquant.integrations import export as export_module
 from mlaquant.integrations.engines import ENGINE_VERSIONS, sglang_serve_command, vllm_serve_command
 from mlaquant.integrations.export import engine_plan
 from mlaquant.modeling.loader import load_model
-from mlaquant.modeling.stream import StreamedEvaluator, StreamedModel
+from mlaquant.modeling.stream import StreamedModel
 from mlaquant.runtime.plan import LayerPlan, Plan
 
 D_C, D_R = 32, 8  # kv_lora_rank, rope_dim of conftest.SYNTH_DIMS
@@ -67,7 +68,7 @@ def _measured(ckpt: Path, plan_dir: Path, cached: Plan) -> dict:
     s = plan.settings
     model = StreamedModel(ckpt)
     tokens = token_samples(model.tokenizer, split_path("test"), s["test_samples"], s["seq_len"], s["seed"] + 2, 256)
-    return StreamedEvaluator(model, tokens, s["batch_size"]).evaluate(cached.layer_codecs(D_C, D_R)).as_dict()
+    return Evaluator(model, tokens, s["batch_size"]).evaluate(cached.bind(model.cfg).layer_codecs()).as_dict()
 
 
 def test_vllm_export_links_the_model_writes_no_scales_and_the_command(ckpt, fp8_plan, tmp_path, capsys):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mlaquant.modeling.model import MLAConfig
+from mlaquant.modeling.synthetic import config_dict
 from mlaquant.quant.codecs import (
     FP8_MAX,
     CodecError,
@@ -185,11 +187,12 @@ def test_fake_quant_keeps_dtype_and_equals_decode_encode():
 
 def test_plan_fp8_layer_uses_its_calibrated_clip_range():
     d_c, d_r = 16, 4
+    cfg = MLAConfig.from_hf(config_dict(layers=3, kv_lora_rank=d_c, rope_dim=d_r))
     lo, hi = -torch.rand(d_c + d_r), torch.rand(d_c + d_r) * 3
     plan = Plan(
         layers=[LayerPlan("fp8", "fp8", clip=True), LayerPlan("fp8", "fp8", clip=False)],
         tensors={f"layer{i}.clip_{k}": t for i in range(2) for k, t in (("lo", lo), ("hi", hi))},
-    )
-    assert plan.layer_codec(0, d_c, d_r).ckv.fp8_scale == fp8_static_scale(lo, hi)
-    assert plan.layer_codec(1, d_c, d_r).ckv.fp8_scale == 1.0  # unclipped = uncalibrated default
-    assert Plan.uniform("fp8", 3).bytes_per_token(d_c, d_r) == 3 * (d_c + d_r)
+    ).bind(cfg)
+    assert plan.layer_codec(0).ckv.fp8_scale == fp8_static_scale(lo, hi)
+    assert plan.layer_codec(1).ckv.fp8_scale == 1.0  # unclipped = uncalibrated default
+    assert Plan.uniform("fp8", 3).bind(cfg).bytes_per_token() == 3 * (d_c + d_r)

@@ -14,7 +14,7 @@ from mlaquant.runtime.plan import LayerPlan, Plan
 
 def calibrated_plan(model, codec: str = "int4") -> Plan:
     cfg = model.cfg
-    d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    d_c, d_r = cfg.latent_widths
     ids = torch.randint(0, cfg.vocab_size, (8, 64), generator=torch.Generator().manual_seed(0))
     stats = observe(model, ids)
     layers, tensors = [], {}
@@ -78,7 +78,7 @@ def test_uniform_plans_are_not_guarded(tiny_model):
 
 def test_recalibration_widens_only_drifted_channels_of_clipped_layers(tiny_model):
     cfg = tiny_model.cfg
-    d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    d_c, d_r = cfg.latent_widths
     plan = calibrated_plan(tiny_model)
     for i, lp in enumerate(plan.layers):
         lp.clip = i == 1  # only layer 1 clips, to ranges far too narrow for channel 3

@@ -89,12 +89,11 @@ def test_plan_round_trip_and_evaluator_sees_int8(tiny_model, tmp_path):
     plan.layers[1].int8_matmul = True
     assert plan.name == "calibrated"
     plan.save(tmp_path / "p")
-    loaded = Plan.load(tmp_path / "p")
+    loaded = Plan.load(tmp_path / "p").bind(tiny_model.cfg)
     assert [lp.int8_matmul for lp in loaded.layers] == [False, True, False]
     samples = torch.randint(0, tiny_model.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
     ev = Evaluator(tiny_model, samples)
-    d_c, d_r = tiny_model.cfg.kv_lora_rank, tiny_model.cfg.qk_rope_head_dim
-    codecs = loaded.layer_codecs(d_c, d_r)
+    codecs = loaded.layer_codecs()
     assert ev.evaluate(codecs, model=loaded.apply(tiny_model)).loss != ev.evaluate(codecs).loss
     # resuming at layer 1 from the reference inputs gives the whole-model result
     only1 = with_int8_projections(tiny_model, [1])
@@ -112,7 +111,7 @@ def test_unknown_plan_suffix_is_an_error(tiny_model):
 def test_cpu_int8_matmul_every_route_bit_identical_to_fp64_sums(route, shape, monkeypatch):
     """backend "cpu" takes the C kernels where a vector ISA builds, torch._int_mm only where it has VNNI, the FP64
     sums otherwise (issue 29: _int_mm ~10x slower than FP32 on AVX2-only CPUs): every route gives the same bits."""
-    from mlaquant.attention import native, ops
+    from mlaquant.attention import backends, native
 
     m, g, k, n = shape
     gen = torch.Generator().manual_seed(k + n)
@@ -126,7 +125,7 @@ def test_cpu_int8_matmul_every_route_bit_identical_to_fp64_sums(route, shape, mo
         monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append("int_mm"))
     else:
         monkeypatch.setattr(native, "vector_kernels", lambda: None)
-        monkeypatch.setattr(ops, "torch_int8_vnni", lambda: route == "int_mm")
+        monkeypatch.setattr(backends, "torch_int8_vnni", lambda: route == "int_mm")
     if route == "fp64":
         monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append("int_mm"))
     assert torch.equal(grouped_int8_matmul(x, w8, ws, backend="cpu"), want)

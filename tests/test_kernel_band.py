@@ -17,8 +17,9 @@ import os
 import pytest
 import torch
 
+from mlaquant.attention.decode_inputs import DecodeInputs
 from mlaquant.attention.ops import mla_decode as ops_mla_decode
-from mlaquant.attention.ops import mla_decode_reference
+from mlaquant.attention.reference import mla_decode_reference
 from mlaquant.config import ConfigError
 from mlaquant.errors import BackendError
 from mlaquant.quant.codecs import LayerCodec
@@ -31,6 +32,7 @@ if not K.interpreter_active():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
+J = pytest.importorskip("mlaquant.kernels.mla_decode_jit")  # the kernels' device functions
 
 from tests.test_kernel_mla_decode import D_C, D_R, PAGE, SCALE, _query, build_cache  # noqa: E402
 
@@ -138,7 +140,7 @@ def test_kernel_matches_reference_on_band_caches(codec_name, config_name):
     # 0-bit channels are exactly 0; against the exact (FP32 query) reference only the FP16 rounding differs
     zero = torch.cat([torch.full((w,), bits == 0) for bits, w in codec.ckv.spec.bands])
     assert not out[..., zero].any()
-    ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = mla_decode_reference(DecodeInputs(q, pool, table, lens, codec, D_C), SCALE)
     assert_close(out, ref_out, max_rel=3e-2, min_cosine=0.9995, what="out vs exact")
 
 
@@ -164,7 +166,7 @@ def test_band_tiles_are_bit_exact(codec_name):
 @triton.jit
 def _band_probe(pool_ptr, out_ptr, SEG: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr):
     offs_t = tl.arange(0, BLOCK_N)
-    v = K.band_values(pool_ptr + offs_t * ROW_BYTES, offs_t < BLOCK_N, SEG[4], SEG[1], SEG[2], SEG[3], SEG[5], False)
+    v = J.band_values(pool_ptr + offs_t * ROW_BYTES, offs_t < BLOCK_N, SEG[4], SEG[1], SEG[2], SEG[3], SEG[5], False)
     tl.store(out_ptr + offs_t[:, None] * SEG[1] + tl.arange(0, SEG[1])[None, :], v)
 
 
@@ -197,7 +199,7 @@ def test_segments_of_the_deepseek_allocations(name, programs):
 def test_unaligned_band_layouts_are_refused_and_auto_uses_torch(monkeypatch):
     """An odd number of 3-bit bands of 8 (mod 16) channels gives an odd number of code bytes: the FP16 scales
     and the k_pe part at odd offsets. The kernel refuses them (with the allocation rule), "auto" runs torch."""
-    import mlaquant.attention.ops as ops
+    from mlaquant.attention import backends
 
     codec = LayerCodec.from_names("band-0x16-3x24-4x8-0x16", "int8-row", D_C, D_R)
     assert codec.ckv.layout.code_bytes == 13
@@ -205,11 +207,11 @@ def test_unaligned_band_layouts_are_refused_and_auto_uses_torch(monkeypatch):
     assert reason is not None and "odd byte offsets" in reason and "multiples of 16 channels" in reason
     even = LayerCodec.from_names("band-3x8-3x8-2x16-0x32", "int8-row", D_C, 32)  # two odd bands: 6 bytes
     assert even.ckv.layout.code_bytes == 10 and K.supports(even, on_gpu=True) is None
-    monkeypatch.setattr(ops, "resolve_backend", lambda backend, device, op="mla_decode": "triton")
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", backends.AUTO_ORDER["cuda"])
     pool, table, lens = build_cache(codec, (40,), seed=11)
     q = _query(1, 4, seed=11)
     out, lse = ops_mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend="auto")
-    ref = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    ref = mla_decode_reference(DecodeInputs(q, pool, table, lens, codec, D_C), SCALE)
     assert torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
     with pytest.raises(BackendError, match="odd byte offsets"):
         K.mla_decode(q, pool, table, lens, codec, D_C, SCALE)

@@ -20,6 +20,9 @@ if not K.interpreter_active():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
+J = pytest.importorskip("mlaquant.kernels.mla_decode_jit")  # the kernels' device functions
+
+from tests.test_kernel_mla_decode import group_dot  # noqa: E402  (a jitted reference: triton must be loaded)
 
 D_C, D_R, N = 64, 16, 32
 SCALE = 0.15
@@ -35,8 +38,8 @@ def _values_probe(pool_ptr, out_ptr, KIND: tl.constexpr, ASYM: tl.constexpr, W: 
     row = pool_ptr + offs_t * ROW_BYTES
     t_mask = offs_t < BLOCK_N
     for half in tl.static_range(2):
-        v = K.half_values(row, t_mask, half, KIND, ASYM, W, G, SOFF, LOFF, False, NIBBLES)
-        cols = K.half_channels(half, KIND, W, NIBBLES)
+        v = J.half_values(row, t_mask, half, KIND, ASYM, W, G, SOFF, LOFF, False, NIBBLES)
+        cols = J.half_channels(half, KIND, W, NIBBLES)
         tl.store(out_ptr + offs_t[:, None] * W + cols[None, :], v)
 
 
@@ -49,10 +52,10 @@ def _dots_probe(q_ptr, pool_ptr, a_ptr, b_ptr, H, KIND: tl.constexpr, ASYM: tl.c
     q_row = q_ptr + offs_h * W
     row = pool_ptr + offs_t * ROW_BYTES
     t_mask = offs_t < BLOCK_N
-    q8s, qss, qsums = K.query_part(q_row, h_mask, KIND, W, G)
+    q8s, qss, qsums = J.query_part(q_row, h_mask, KIND, W, G)
     for g in tl.static_range(W // G):
-        ours = K.group_dot_int32(q8s, qsums, row, t_mask, g, KIND, ASYM, G, False)
-        ref, _, _ = K.group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
+        ours = J.group_dot_int32(q8s, qsums, row, t_mask, g, KIND, ASYM, G, False)
+        ref, _, _ = group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
         dst = offs_h[:, None] * (BLOCK_N * (W // G)) + offs_t[None, :] * (W // G) + g
         tl.store(a_ptr + dst, ours)
         tl.store(b_ptr + dst, ref)

@@ -13,7 +13,7 @@ import torch
 
 from mlaquant.attention.decode_inputs import DecodeInputs
 from mlaquant.attention.ops import mla_decode as ops_mla_decode
-from mlaquant.attention.ops import mla_decode_reference
+from mlaquant.attention.reference import mla_decode_reference
 from mlaquant.config import ConfigError
 from mlaquant.errors import BackendError
 from mlaquant.quant.codecs import LayerCodec
@@ -28,6 +28,7 @@ if not K.interpreter_active():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
+J = pytest.importorskip("mlaquant.kernels.mla_decode_jit")  # the kernels' device functions
 
 D_C, D_R, PAGE = 64, 16, 64
 SCALE = 0.15
@@ -129,7 +130,7 @@ def test_kernel_matches_reference(codec_name, case, heads):
     ref_out, ref_lse = kernel_reference(q, pool, table, lens, codec, D_C, SCALE, config)
     _compare(out, lse, ref_out, ref_lse, max_rel=2e-3, min_cosine=0.9999, lse_atol=2e-5)
     # Against the unquantized FP32 query: the INT8 query quantization is the only addition.
-    ref_out, ref_lse = mla_decode_reference(q, pool, table, lens, codec, D_C, SCALE)
+    ref_out, ref_lse = mla_decode_reference(DecodeInputs(q, pool, table, lens, codec, D_C), SCALE)
     _compare(out, lse, ref_out, ref_lse, max_rel=3e-2, min_cosine=0.9995, lse_atol=0.1)
 
 
@@ -193,6 +194,18 @@ def test_int32_score_path_is_exact(codec_name):
 
 
 @triton.jit
+def group_dot(q_row, h_mask, row, t_mask, g, KIND: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr):
+    """The reference INT8 score path of group g of one integer part, from the kernel's own pieces: (INT32 dot
+    [BH, BN], qs [BH] fp32, Σq8 [BH] int32).
+
+    `q_row` [BH] points at the part's first query channel, `row` [BN] at the part's first byte. The codes
+    enter the dot as int8: sym int8 q, asym int8 q − 128, int4 nibbles interleaved (q − 8 when sym)."""
+    q8, qs, qsum = J.quantize_query_group(q_row, h_mask, g, G)
+    k = J.dot_codes(row, t_mask, g, KIND, ASYM, G)
+    return tl.dot(q8, tl.trans(k), out_dtype=tl.int32), qs, qsum
+
+
+@triton.jit
 def _scores_kernel(
     q_ptr, pool_ptr, bt_ptr, lens_ptr, dot_ptr, qs_ptr,
     stride_qb, stride_qh, stride_pool, stride_bt, stride_db, stride_dh, stride_dt, stride_sb, stride_sh,
@@ -207,10 +220,10 @@ def _scores_kernel(
     h_mask = offs_h < H
     offs_t = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     t_mask = offs_t < tl.load(lens_ptr + b)
-    row = K.tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES) + PART_OFF
+    row = J.tile_rows(pool_ptr, bt_ptr, b, stride_pool, stride_bt, offs_t, t_mask, PAGE, ROW_BYTES) + PART_OFF
     q_row = q_ptr + b * stride_qb + offs_h * stride_qh + Q_OFF
     for g in tl.static_range(W // G):
-        dot, qs, qsum = K.group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
+        dot, qs, qsum = group_dot(q_row, h_mask, row, t_mask, g, KIND, ASYM, G)
         dst = dot_ptr + b * stride_db + offs_h[:, None] * stride_dh + offs_t[None, :] * stride_dt + g
         tl.store(dst, dot, mask=h_mask[:, None] & t_mask[None, :])
         tl.store(qs_ptr + b * stride_sb + offs_h * stride_sh + g, qs, mask=h_mask)
@@ -460,18 +473,17 @@ def test_ops_dispatcher_runs_this_kernel(monkeypatch):
 
 
 def test_auto_sends_codecs_the_kernel_cannot_read_to_torch(monkeypatch):
-    import mlaquant.attention.ops as ops
+    from mlaquant.attention import backends
 
-    monkeypatch.setattr(ops, "resolve_backend", lambda backend, device, op="mla_decode": "triton")  # as on CUDA
+    monkeypatch.setitem(backends.AUTO_ORDER, "cpu", backends.AUTO_ORDER["cuda"])  # as on CUDA
     q = _query(1, 4, seed=11)
     for name, reads in (("fp32", False), ("int4-g32", True)):
         codec = LayerCodec.from_names(name, "fp16", D_C, D_R)
         assert (K.supports(codec, on_gpu=False) is None) == reads
         pool, table, lens = build_cache(codec, (40,), seed=11)
         out, lse = ops_mla_decode(q, pool, table, lens, codec, D_C, SCALE, backend="auto")
-        expect = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE) if reads else mla_decode_reference(
-            q, pool, table, lens, codec, D_C, SCALE
-        )
+        inputs = DecodeInputs(q, pool, table, lens, codec, D_C)
+        expect = K.mla_decode(q, pool, table, lens, codec, D_C, SCALE) if reads else mla_decode_reference(inputs, SCALE)
         assert torch.equal(out, expect[0]) and torch.equal(lse, expect[1])
     codec = LayerCodec.from_names("fp32", "fp16", D_C, D_R)
     pool, table, lens = build_cache(codec, (40,), seed=11)

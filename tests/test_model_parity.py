@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mlaquant import DecodeSession, load_model
-from mlaquant.modeling.model import causal_attention
+from mlaquant.attention.reference import causal_attention
 
 TOL = 1e-4
 

@@ -13,6 +13,7 @@ import torch
 
 from mlaquant.attention import native
 from mlaquant.attention.cpu_decode import mla_decode_cpu, unpack_nibbles
+from mlaquant.attention.decode_inputs import DecodeInputs
 from mlaquant.errors import BackendError
 from mlaquant.quant.codecs import LayerCodec
 from tests.test_cpu_decode import D_C, D_R, LENS, SCALE, _cache
@@ -57,7 +58,7 @@ def test_fast_path_bit_identical_with_and_without_native_unpack(names, monkeypat
     codec = LayerCodec.from_names(*names, D_C, D_R)
     q, pool, table, lens, _, _ = _cache(codec, LENS)
     assert native.unpack_int4() is not None
-    args = (q, pool, table, lens, codec, D_C, SCALE)
+    args = (DecodeInputs(q, pool, table, lens, codec, D_C), SCALE)
     out, lse = mla_decode_cpu(*args, block_tokens=16, group=2, c_kernels=False)
     ref_out, ref_lse = mla_decode_cpu(*args, block_tokens=16, group=2, c_unpack=False, c_kernels=False)
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
@@ -122,16 +123,17 @@ def test_fast_path_bit_identical_under_every_isa_variant(names, fresh_native_bui
     operations in the same order); and not the torch-ops path's (int16 P instead of two int8 digits)."""
     codec = LayerCodec.from_names(*names, D_C, D_R)
     q, pool, table, lens, _, _ = _cache(codec, LENS)
+    inputs = DecodeInputs(q, pool, table, lens, codec, D_C)
     results = {}
     for isa in native.ISAS:
         if native.runnable(isa):
             fresh_native_build.setenv("MLAQUANT_NATIVE_ISA", isa)
-            results[isa] = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=32, group=2)
+            results[isa] = mla_decode_cpu(inputs, SCALE, block_tokens=32, group=2)
     assert "scalar" in results and len(results) >= 2
     first = results["scalar"]
     for isa, (out, lse) in results.items():
         assert torch.equal(out, first[0]) and torch.equal(lse, first[1]), isa
-    torch_ops = mla_decode_cpu(q, pool, table, lens, codec, D_C, SCALE, block_tokens=32, group=2, c_kernels=False)
+    torch_ops = mla_decode_cpu(inputs, SCALE, block_tokens=32, group=2, c_kernels=False)
     assert not torch.equal(torch_ops[0], first[0])
 
 

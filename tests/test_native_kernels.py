@@ -75,10 +75,17 @@ def _block(name: str, width: int, n: int, seed: int, paged: bool):
     x = torch.randn(n, width, generator=g) * (1 + 3 * torch.rand(width, generator=g))
     raw = rc.encode(x)
     assert raw.shape == (n, rc.row_bytes)
+    return rc, raw, _placed(rc, raw, paged, g)
+
+
+def _placed(rc: RowCodec, raw: torch.Tensor, paged: bool, g: torch.Generator) -> native.Rows:
+    """native.Rows reading raw [n, row_bytes] strided at an odd offset, or from permuted 16-row pages of a pool among
+    0xFF-filled pages."""
+    n = raw.shape[0]
     if not paged:
         buf = torch.full((n, rc.row_bytes + 13), 0xFF, dtype=torch.uint8)
         buf[:, 5 : 5 + rc.row_bytes] = raw
-        return rc, raw, native.Rows(buf, 5, buf.stride(0))
+        return native.Rows(buf, 5, buf.stride(0))
     page = 16
     need = -(-n // page)
     pool = torch.full((need + 3, page, rc.row_bytes), 0xFF, dtype=torch.uint8)
@@ -86,7 +93,7 @@ def _block(name: str, width: int, n: int, seed: int, paged: bool):
     flat = torch.full((need * page, rc.row_bytes), 0xFF, dtype=torch.uint8)
     flat[:n] = raw
     pool[ids] = flat.view(need, page, rc.row_bytes)
-    return rc, raw, native.Rows(pool, 0, rc.row_bytes, ids.long().contiguous(), page)
+    return native.Rows(pool, 0, rc.row_bytes, ids.long().contiguous(), page)
 
 
 def test_codes_cover_the_extreme_levels_and_negative_scales():
@@ -230,22 +237,37 @@ def test_pv_bit_identical_to_torch_formula(isa, name, width, n):
     assert torch.equal(acc[:, :width], want)
 
 
+def _extreme_rows(rc: RowCodec, n: int, g: torch.Generator) -> torch.Tensor:
+    """raw [n, row_bytes]: each row's codes all at its lowest or all at its highest level (random per row) and its
+    FP16 scales ±1 with the sign of its codes, so M = 1 in every group, P = ±32767 wherever p = 1 and every product
+    P · c' is ≥ 0: the sums grow as fast as the codes allow (zero points as encoded)."""
+    lay = rc.layout
+    raw = rc.encode(torch.randn(n, rc.width, generator=g))
+    low = 0x80 if (rc.spec.kind, rc.spec.symmetric) == ("int8", True) else 0x00  # int8 sym: -128; else 0 / -2^(b-1)
+    high = torch.rand(n, generator=g) < 0.5
+    raw[:, : lay.code_bytes] = torch.where(high, 0x7F if low else 0xFF, low).to(torch.uint8)[:, None]
+    sign = torch.where(codes_of(rc, raw)[:, :1] < 0, -1.0, 1.0).half().expand(n, lay.n_groups).contiguous()
+    raw[:, lay.scale_offset : lay.scale_offset + 2 * lay.n_groups] = sign.view(torch.uint8)
+    return raw
+
+
 @ISAS
 @pytest.mark.parametrize("name, width", [("int8-row", 160), ("int8-g16-asym", 48), ("int4-g32", 160),
                                          ("int4-row-asym", 12), ("band-3x40", 40), ("band-2x48", 48)])
-def test_pv_sums_exact_at_the_int16_extremes(isa, name, width):
-    """P = ±32767 everywhere over 600 tokens (chunks of 256 at the INT32 limit, then FP64) with every code's
-    extreme: the sums equal the float64 matmul exactly."""
+def test_pv_exact_at_the_int16_extremes(isa, name, width):
+    """P = ±32767 everywhere over 600 tokens (chunks of 256 at the INT32 limit, then FP64) with the codes at their
+    extremes: bit-identical to the torch formula, whose sums are exact in float64."""
     kern = _variant(isa)
     n, heads = 600, 5
-    rc, raw, rows = _block(name, width, n, 3, paged=True)
-    groups = rc.layout.n_groups
-    sign = torch.where(torch.rand(groups, heads, n, generator=torch.Generator().manual_seed(2)) < 0.5, -1, 1)
-    p16 = (32767 * sign).to(torch.int16)
-    got = kern.pv_sums(rows, n, part_of(rc), p16)
-    c, gs = codes_of(rc, raw).double(), rc.layout.group_size
-    want = torch.cat([p16[g].double() @ c[:, g * gs : (g + 1) * gs] for g in range(groups)], dim=1)
-    assert torch.equal(got, want)
+    g = torch.Generator().manual_seed(3)
+    rc = RowCodec.build(CodecSpec.parse(name), width)
+    raw = _extreme_rows(rc, n, g)
+    probs, acc = torch.ones(heads, n), torch.zeros(heads, width)
+    want = pv_reference(rc, raw, probs, acc)
+    if rc.spec.kind == "int8":  # 600 tokens of |P · c'| ≈ 32767 · 127.5: past 2^31, so the FP64 sum across chunks runs
+        assert want.abs().min() > 2**31 / 32767
+    kern.pv(_placed(rc, raw, True, g), n, part_of(rc), probs, acc)
+    assert torch.equal(acc, want)
 
 
 @pytest.mark.parametrize("name, width", PARTS[:6] + BAND_PARTS[:2])

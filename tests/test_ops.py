@@ -9,7 +9,11 @@ import types
 import pytest
 import torch
 
-from mlaquant.attention.ops import Backend, Scratch, mla_decode, mla_decode_reference, resolve_backend
+from mlaquant.attention.backends import Backend, resolve_backend
+from mlaquant.attention.buffers import Buffers
+from mlaquant.attention.decode_inputs import DecodeInputs
+from mlaquant.attention.ops import mla_decode
+from mlaquant.attention.reference import mla_decode_reference
 from mlaquant.errors import BackendError
 from mlaquant.quant.codecs import LayerCodec
 
@@ -85,9 +89,10 @@ def test_nan_slots_and_permuted_blocks_change_nothing(ckv, kpe):
     codec = LayerCodec.from_names(ckv, kpe, D_C, D_R)
     q, rows = _problem(lens, seed=1)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    plain = mla_decode_reference(q, *_paged(rows, codec, False, 4), seq_lens, codec, D_C, SCALE)
+    plain = mla_decode_reference(DecodeInputs(q, *_paged(rows, codec, False, 4), seq_lens, codec, D_C), SCALE)
     for seed in (0, 1):
-        shuffled = mla_decode_reference(q, *_paged(rows, codec, True, 4, seed), seq_lens, codec, D_C, SCALE)
+        shuffled_inputs = DecodeInputs(q, *_paged(rows, codec, True, 4, seed), seq_lens, codec, D_C)
+        shuffled = mla_decode_reference(shuffled_inputs, SCALE)
         assert torch.isfinite(shuffled[0]).all()
         assert torch.equal(plain[0], shuffled[0]) and torch.equal(plain[1], shuffled[1])
 
@@ -169,7 +174,7 @@ def test_triton_backend_dispatches_to_the_kernel(monkeypatch):
         return "out", "lse"
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    fake_module = types.SimpleNamespace(mla_decode=fake_kernel)
+    fake_module = types.SimpleNamespace(mla_decode=fake_kernel, supports=lambda codec, on_gpu: None)
     monkeypatch.setitem(sys.modules, "mlaquant.kernels.mla_decode", fake_module)
     assert resolve_backend("auto", "cpu") == "cpu"  # the interpreter is never chosen automatically
     assert resolve_backend("auto", "cuda") == "triton"
@@ -205,8 +210,9 @@ def test_single_sequence_read_in_place_equals_scattered_copy(ckv, kpe):
     pool, table = _paged(rows, codec, shuffle=False, max_blocks=pages)
     pool[pages - 1, 70 - (pages - 1) * BLOCK :] = 0xFF  # the free slots of the last page decode to NaN
     pool, table = torch.cat((torch.full_like(pool[:1], 0xFF), pool)), table + 1  # pages 1..n, not 0..n-1
-    in_place = mla_decode_reference(q, pool, table, seq_lens, codec, D_C, SCALE)
-    scattered = mla_decode_reference(q, *_paged(rows, codec, True, pages, seed=3), seq_lens, codec, D_C, SCALE)
+    in_place = mla_decode_reference(DecodeInputs(q, pool, table, seq_lens, codec, D_C), SCALE)
+    scattered_inputs = DecodeInputs(q, *_paged(rows, codec, True, pages, seed=3), seq_lens, codec, D_C)
+    scattered = mla_decode_reference(scattered_inputs, SCALE)
     assert torch.isfinite(in_place[0]).all()
     assert torch.equal(in_place[0], scattered[0]) and torch.equal(in_place[1], scattered[1])
     ref_out, ref_lse, _ = _dense_attention(q[0], codec.fake_quant(rows[0]))
@@ -214,17 +220,17 @@ def test_single_sequence_read_in_place_equals_scattered_copy(ckv, kpe):
 
 
 def test_scratch_reused_across_calls_of_other_shapes():
-    """A session's Scratch outlives each call: a buffer grown by a long call and then read back in
+    """A session's Buffers outlive each call: a buffer grown by a long call and then read back in
     part by a shorter or wider one (NaN tails of the last call still in it) must give the results of
     a fresh scratch."""
     codec = LayerCodec.from_names("int4-g32", "int8-row", D_C, D_R)
-    scratch = Scratch()
+    scratch = Buffers()
     for lens in ([70], [5, 48], [33], [1, 37, 70]):
         q, rows = _problem(lens, seed=len(lens) + lens[0])
         pool, table = _paged(rows, codec, shuffle=True, max_blocks=5)
         seq_lens = torch.tensor(lens, dtype=torch.int32)
-        reused = mla_decode_reference(q, pool, table, seq_lens, codec, D_C, SCALE, scratch)
-        fresh = mla_decode_reference(q, pool, table, seq_lens, codec, D_C, SCALE)
+        reused = mla_decode_reference(DecodeInputs(q, pool, table, seq_lens, codec, D_C), SCALE, scratch)
+        fresh = mla_decode_reference(DecodeInputs(q, pool, table, seq_lens, codec, D_C), SCALE)
         assert torch.equal(reused[0], fresh[0]) and torch.equal(reused[1], fresh[1])
 
 
@@ -234,8 +240,8 @@ def test_scratch_grows_geometrically_not_a_row_per_step(monkeypatch):
     allocations = []
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: allocations.append(a) or empty(*a, **k))
-    scratch = Scratch()
+    scratch = Buffers()
     for rows in range(100, 126):  # 100 rows, then one more per step up to 100 grown by a quarter
-        buf = scratch.take("rows", (rows, 8), torch.device("cpu"))
+        buf = scratch.take("rows", (rows, 8), device=torch.device("cpu"))
         assert buf.shape == (rows, 8) and buf.is_contiguous()
     assert len(allocations) == 2  # the first take, and one growth by a quarter

@@ -26,14 +26,25 @@ def test_round_trip_gives_identical_codecs(tiny_model, tmp_path):
     plan.save(tmp_path / "p")
     loaded = Plan.load(tmp_path / "p")
     assert loaded.layers == plan.layers and loaded.fingerprint == plan.fingerprint
-    d_c, d_r = tiny_model.cfg.kv_lora_rank, tiny_model.cfg.qk_rope_head_dim
-    rows = torch.randn(9, d_c + d_r) * 3
-    for a, b in zip(plan.layer_codecs(d_c, d_r), loaded.layer_codecs(d_c, d_r)):
+    rows = torch.randn(9, tiny_model.cfg.latent_dim) * 3
+    for a, b in zip(plan.bind(tiny_model.cfg).layer_codecs(), loaded.bind(tiny_model.cfg).layer_codecs()):
         assert torch.equal(a.encode(rows), b.encode(rows))
     assert DecodeSession(tiny_model, plan=tmp_path / "p").codecs[0].name == "int4-g16/int8-row"
     # saving again over an existing plan replaces it atomically and leaves no temp dirs
     plan.save(tmp_path / "p")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]
+
+
+def test_a_plan_reads_codecs_once_bound_and_the_binding_is_not_saved(tiny_model, tmp_path):
+    plan = make_plan(tiny_model)
+    with pytest.raises(PlanError, match=r"not bound .*plan.bind\(model.cfg\)"):
+        plan.layer_codecs()
+    plan.save(tmp_path / "unbound")
+    plan.bind(tiny_model.cfg).save(tmp_path / "bound")
+    for name in ("plan.yaml", "scales.safetensors"):
+        assert (tmp_path / "bound" / name).read_bytes() == (tmp_path / "unbound" / name).read_bytes()
+    assert Plan.load(tmp_path / "bound").latent_widths is None
+    assert DecodeSession(tiny_model, plan="int4").plan.latent_widths == tiny_model.cfg.latent_widths
 
 
 def test_plan_from_another_model_is_refused(tiny_model, tmp_path):

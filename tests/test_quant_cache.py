@@ -53,7 +53,7 @@ def test_int4_cache_counts_codes_scales_and_zero_points(tiny_model):
     cfg = tiny_model.cfg
     session = DecodeSession(tiny_model, plan="int4-g16-asym/int8-row")
     session.prefill([list(range(10))])
-    d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    d_c, d_r = cfg.latent_widths
     row = (d_c // 2 + 4 * (d_c // 16)) + (d_r + 2)
     assert session.codecs[0].row_bytes == row
     assert session.cache_nbytes() == 10 * cfg.num_hidden_layers * row
@@ -62,7 +62,7 @@ def test_int4_cache_counts_codes_scales_and_zero_points(tiny_model):
 def test_widened_layer_reads_both_segments(tiny_model):
     """After a runtime fallback, old rows keep the narrow codec and new rows use the wider one."""
     cfg = tiny_model.cfg
-    d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    d_c, d_r = cfg.latent_widths
     ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(1))
     session = DecodeSession(tiny_model, plan="int4", backend="torch")  # exact, as the teacher-forced hook
     session.prefill(ids[:, :12])

@@ -15,10 +15,6 @@ from mlaquant.modeling.model import hadamard_signs, latent_rotation, with_latent
 from mlaquant.runtime.plan import LayerPlan, Plan
 
 
-def _dims(model):
-    return model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-
-
 def _rows(model, ids, layer):
     inputs = []
     model(ids, layer_inputs=inputs)
@@ -29,7 +25,7 @@ def _rows(model, ids, layer):
 
 @pytest.mark.parametrize("parts", ["ckv", "rope", "both"])
 def test_rotation_keeps_logits_and_rotates_only_its_part(tiny_model, parts):
-    d_c, d_r = _dims(tiny_model)
+    d_c, d_r = tiny_model.cfg.latent_widths
     ckv = hadamard_signs(d_c, 1) if parts in ("ckv", "both") else None
     rope = hadamard_signs(d_r, 2) if parts in ("rope", "both") else None
     rot = latent_rotation(ckv, rope, d_c, d_r)
@@ -44,7 +40,7 @@ def test_rotation_keeps_logits_and_rotates_only_its_part(tiny_model, parts):
 
 
 def _rotated_plan(model) -> Plan:
-    d_c, d_r = _dims(model)
+    d_c, d_r = model.cfg.latent_widths
     n = model.cfg.num_hidden_layers
     layers = [LayerPlan("int4-row", "int4-row", rotate=True, rotate_rope=True) for _ in range(n)]
     tensors = {}
@@ -55,13 +51,12 @@ def _rotated_plan(model) -> Plan:
 
 
 def test_rotated_plan_round_trips_and_decode_equals_teacher_forced(tiny_model, tmp_path):
-    d_c, d_r = _dims(tiny_model)
-    plan = _rotated_plan(tiny_model)
+    plan = _rotated_plan(tiny_model).bind(tiny_model.cfg)
     plan.save(tmp_path / "p")
-    loaded = Plan.load(tmp_path / "p")
+    loaded = Plan.load(tmp_path / "p").bind(tiny_model.cfg)
     assert loaded.layers == plan.layers
-    for i, r in plan.rotations(d_c, d_r).items():
-        assert torch.equal(loaded.rotations(d_c, d_r)[i], r)
+    for i, r in plan.rotations().items():
+        assert torch.equal(loaded.rotations()[i], r)
     session = DecodeSession(tiny_model, plan=tmp_path / "p")
     model = loaded.apply(tiny_model)
     ids = torch.randint(0, tiny_model.cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
@@ -90,10 +85,10 @@ def test_plan_search_rotates_k_pe_with_an_outlier_pair():
     angle = torch.rand(4096, generator=g) * 6.28
     rows[:, d_c + 1], rows[:, d_c + 1 + d_r // 2] = 10 * angle.cos(), 10 * angle.sin()
     stats = LatentStats(rows.min(0).values, rows.max(0).values, [rows], rows.shape[0])
-    v = LayerVariants(stats, d_c, d_r, CalibrateConfig(percentile=0.999, try_rotation=True), seed=0)
+    v = LayerVariants(stats, (d_c, d_r), CalibrateConfig(percentile=0.999, try_rotation=True), seed=0)
     assert set(v.rows) == {(False, False), (False, True), (True, False), (True, True)}
-    _, rotate_rope, _ = best_variant(v, "int8-row/int4-row", try_clip=False, d_c=d_c, d_r=d_r)
+    _, rotate_rope, _ = best_variant(v, "int8-row/int4-row", try_clip=False)
     assert rotate_rope
-    plain = v.codec("fp16/int4-row", False, (False, False), d_c, d_r).relative_error(v.rows[False, False])
-    spread = v.codec("fp16/int4-row", False, (False, True), d_c, d_r).relative_error(v.rows[False, True])
+    plain = v.codec("fp16/int4-row", False, (False, False)).relative_error(v.rows[False, False])
+    spread = v.codec("fp16/int4-row", False, (False, True)).relative_error(v.rows[False, True])
     assert spread < 0.8 * plain

@@ -16,14 +16,15 @@ import torch
 from safetensors import safe_open
 
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
-from mlaquant.calib.observers import observe, observe_streamed
+from mlaquant.calib.observers import observe
 from mlaquant.cli import main
 from mlaquant.config import load_config
 from mlaquant.errors import CheckpointError
 from mlaquant.evaluation.eval import Evaluator
 from mlaquant.modeling.loader import load_model
 from mlaquant.modeling.model import hadamard_signs, latent_rotation, with_latent_rotation
-from mlaquant.modeling.stream import StreamedEvaluator, StreamedModel
+from mlaquant.modeling.protocol import LatentModel
+from mlaquant.modeling.stream import Store, StreamedModel
 from mlaquant.runtime.plan import Plan
 
 LAYERS = 4
@@ -62,23 +63,29 @@ def test_streamed_observe_equals_observe_with_one_layer_resident(ckpt):
     samples = torch.randint(0, 257, (5, 24), generator=torch.Generator().manual_seed(0))
     ref = observe(load_model(ckpt), samples, batch_size=2, max_rows=40)
     model = StreamedModel(ckpt)
-    got = observe_streamed(model, samples, batch_size=2, max_rows=40)
+    got = observe(model, samples, batch_size=2, max_rows=40)
     for a, b in zip(ref, got):
         assert torch.equal(a.min, b.min) and torch.equal(a.max, b.max) and a.count == b.count
         assert torch.equal(a.sample(), b.sample())
     assert model.max_resident_layers == 1 and model.resident_layers == 0
 
 
+def _on_disk(store: Store) -> int:
+    """How many of a store's tensors were spilled to files (that exist)."""
+    return sum(isinstance(item, Path) and item.is_file() for item in store.items)
+
+
 def test_streamed_evaluator_spilled_to_disk_and_rotated_equals_evaluator(ckpt):
     full = load_model(ckpt)
     samples = torch.randint(0, 257, (4, 20), generator=torch.Generator().manual_seed(1))
     model = StreamedModel(ckpt, spill_bytes=0)  # every kept tensor goes to disk
-    ev_full, ev_stream = Evaluator(full, samples, 3), StreamedEvaluator(model, samples, 3)
+    assert isinstance(model, LatentModel) and isinstance(full, LatentModel)
+    ev_full, ev_stream = Evaluator(full, samples, 3), Evaluator(model, samples, 3)
     assert ev_stream.ref_nll == ev_full.ref_nll
-    assert ev_stream.ref_logp.on_disk == 2 and all(s.on_disk == 2 for s in ev_stream.ref_inputs)
-    d_c, d_r = full.cfg.kv_lora_rank, full.cfg.qk_rope_head_dim
+    assert _on_disk(ev_stream.ref_logp) == 2 and all(_on_disk(s) == 2 for s in ev_stream.ref_inputs)
+    d_c, d_r = full.cfg.latent_widths
     rot = {2: latent_rotation(hadamard_signs(d_c, 7), hadamard_signs(d_r, 8), d_c, d_r)}
-    codecs = [None, None, Plan.uniform("int4", 1).layer_codec(0, d_c, d_r), None]
+    codecs = [None, None, Plan.uniform("int4", 1).bind(full.cfg).layer_codec(0), None]
     want = ev_full.evaluate(codecs, first_layer=2, model=with_latent_rotation(full, rot))
     got = ev_stream.evaluate(codecs, first_layer=2, model=model.rotated(rot))
     assert got == want and got.loss != 0.0

@@ -89,7 +89,7 @@ def setup(tiny_model, tmp_path_factory):
     cfg = load_sweep_config(None, CFG)
     with pytest.MonkeyPatch.context() as mp:
         # an uninstallable backend: its row must say why instead of disappearing
-        mp.setitem(__import__("mlaquant.evaluation.peers").evaluation.peers.BACKEND_PACKAGE, "hqq",
+        mp.setitem(__import__("mlaquant.calib.peers").calib.peers.BACKEND_PACKAGE, "hqq",
                    ("no_such_hqq", "no-such-hqq"))
         report = sweep(model, cfg, root / "out", root / "test.txt", [str(root / "plan-1pct")], quiet=True)
     samples = token_samples(model.tokenizer, root / "test.txt", 4, 32, 0, model.cfg.eos_token_id)
@@ -122,8 +122,8 @@ def test_json_rows_equal_direct_recomputation(setup):
     }
     for name, nbytes in expected_bytes.items():
         row = rows[f"ours:{name}"]
-        plan = Plan.uniform(name, n)
-        assert_metrics(row, ev.evaluate(plan.layer_codecs(d_c, d_r)), rel=1e-6)
+        plan = Plan.uniform(name, n).bind(model.cfg)
+        assert_metrics(row, ev.evaluate(plan.layer_codecs()), rel=1e-6)
         assert row["bytes_per_token_per_layer"] == nbytes
         assert row["bits_per_value"] == pytest.approx(8 * nbytes / 40)
         assert row["cache_mib"]["1024"] == pytest.approx(n * nbytes * 1024 / 2**20, abs=1e-4)
@@ -134,21 +134,21 @@ def test_json_rows_equal_direct_recomputation(setup):
     assert rows["ours:int4"]["metrics"]["loss"] != rows["ours:int8"]["metrics"]["loss"]
 
     win = rows["window:int4+w8"]
-    assert_metrics(win, ev.evaluate(Plan.uniform("int4", n).layer_codecs(d_c, d_r), window=8), rel=1e-6)
+    assert_metrics(win, ev.evaluate(Plan.uniform("int4", n).bind(model.cfg).layer_codecs(), window=8), rel=1e-6)
     # 1024 tokens: 1016 quantized rows of 24 B + 8 FP16 rows of 80 B, per layer
     assert win["cache_mib"]["1024"] == pytest.approx(n * (1016 * 24 + 8 * 80) / 2**20, abs=1e-4)
 
     # other engines' cache settings: measured as uniform plans of their codecs, or said not to fit the widths
     fp8 = rows["engine:vllm fp8"]
-    assert_metrics(fp8, ev.evaluate(Plan.uniform("e4m3/e4m3", n).layer_codecs(d_c, d_r)), rel=1e-6)
+    assert_metrics(fp8, ev.evaluate(Plan.uniform("e4m3/e4m3", n).bind(model.cfg).layer_codecs()), rel=1e-6)
     assert fp8["bytes_per_token_per_layer"] == d_c + d_r and fp8["kind"] == "engine"
     ds = rows["engine:vllm fp8_ds_mla"]
     assert ds["status"].startswith("not run: does not fit this model") and "128" in ds["status"]
 
-    plan = Plan.load(setup["root"] / "plan-1pct")
+    plan = Plan.load(setup["root"] / "plan-1pct").bind(model.cfg)
     cal = rows["plan:plan-1pct"]
-    assert_metrics(cal, ev.evaluate(plan.layer_codecs(d_c, d_r), model=plan.apply(model)), rel=1e-6)
-    assert cal["bytes_per_token_per_layer"] == pytest.approx(plan.bytes_per_token(d_c, d_r) / n)
+    assert_metrics(cal, ev.evaluate(plan.layer_codecs(), model=plan.apply(model)), rel=1e-6)
+    assert cal["bytes_per_token_per_layer"] == pytest.approx(plan.bytes_per_token() / n)
     assert report["target"]["row"] == "plan:plan-1pct"
 
 
@@ -355,11 +355,11 @@ def test_sweep_calibrates_its_plans_once(setup, tmp_path, monkeypatch):
     rows = rows_by_id(first)
     assert first["target"]["row"] == "plan:budget-0.01" and first["target"]["peers_compared"] == []
     for budget in ("0.01", "0.02"):
-        plan = Plan.load(tmp_path / "out" / "plans" / f"budget-{budget}")
+        plan = Plan.load(tmp_path / "out" / "plans" / f"budget-{budget}").bind(setup["model"].cfg)
         assert plan.budget == float(budget) and plan.settings["test_samples"] == 0
         assert plan.settings["val_data"] == str(root / "val.txt")
         ev = Evaluator(setup["model"], setup["samples"], batch_size=4)
-        result = ev.evaluate(plan.layer_codecs(32, 8), model=plan.apply(setup["model"]), window=plan.window)
+        result = ev.evaluate(plan.layer_codecs(), model=plan.apply(setup["model"]), window=plan.window)
         assert_metrics(rows[f"plan:budget-{budget}"], result, rel=1e-6)
 
     def refuse(*a, **k):

@@ -10,7 +10,7 @@ scores then P·V, the online softmax (running max and sum in base 2, flash-style
 sequences run longest first in groups of `GROUP_SEQUENCES`; block j of a group holds tokens [j·t, (j+1)·t) of its
 sequences still running (whole pages), copied out of the pool in one `index_select` (a shorter sequence's missing
 pages padded with its own, the rows past its end zeroed and their scores masked), and torch ops run the softmax,
-batched over the group; buffers come from a per-thread `Workspace`.
+batched over the group; buffers come from a per-thread `Buffers`.
 
 Scores of an integer part (int8/int4, sym/asym, any grouping). The query is quantized per (token, head, group)
 exactly as the Triton kernel does (`quantize_query`: qs = absmax / 127, q8 = round_half_even(q / qs)). The C
@@ -19,7 +19,7 @@ exactly in INT32 per group on the codes as stored (c' = q for int8 sym, q − 12
 and fuse the FP32 epilogue Σ_g (qs_g · s_g) · dot_g (+ (Σq8 · qs_g) · lo'_g, lo' = lo + 128 s for int8 asym, lo for int4
 asym), reading the FP16 scales and zero points themselves. Without them (`c_kernels=False`, or no compiler):
 `torch._int_mm` per sequence and group on int8 codes (sym int8 a view, asym int8 XOR 0x80, int4 by the C unpack
-or `unpack_nibbles`, channel order `_Part.perm`), then the same epilogue in torch. A float part is decoded into an
+or `unpack_nibbles`, channel order `_CpuPart.perm`), then the same epilogue in torch. A float part is decoded into an
 FP32 block and multiplied in FP32 (fp16/fp16: one [t, d_c + d_r] block, one GEMM).
 
 P·V. An integer c_kv part (row-wise or grouped) read by the C kernels is never dequantized: per group g of a block
@@ -53,13 +53,13 @@ blocks, permuted block tables), both with the C kernels and with torch ops.
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
 from torch import Tensor
 
 from mlaquant.attention import native
+from mlaquant.attention.buffers import Buffers
 from mlaquant.attention.decode_inputs import DecodeInputs, gather_pages
 from mlaquant.quant.codecs import CodecSpec, LayerCodec, RowCodec, packed_as
 
@@ -118,58 +118,20 @@ def quantize_query(q: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     return q8.flatten(-2), qs
 
 
-FAST_MAX_GROUPS = 8  # integer parts with more stored groups run one GEMM per group and block: slower than the reference
-
-
-def prefers(codec: LayerCodec, c_kernels: bool | None = None) -> bool:
-    """Whether this path beats the reference on `codec` once a call reads enough tokens: always where the C
-    kernels read its integer parts (`c_kernels`, default: whether they are built here); with torch ops, float
-    parts and integer parts of at most `FAST_MAX_GROUPS` stored groups (`mlaquant bench decode --batch 1,16`:
-    int4-g32 c_kv, 16 groups, ran slower than the reference at batch 1)."""
-    if c_kernels if c_kernels is not None else native.kernels() is not None:
-        return True
-    return all(rc.spec.kind not in _INT_KINDS or rc.layout.n_groups <= FAST_MAX_GROUPS for rc in (codec.ckv, codec.kpe))
-
-
 PROB_STEP = 128.0  # the low int8 digit of a probability weighs 1/128 of the high one
-
-
-class Workspace:
-    """Buffers the blocks reuse call after call (one per thread, `_workspace`): a buffer of a few MB
-    allocated fresh takes its page faults on the first write in every block (measured: the first unpack op
-    of a 4096-token int4 block took 880 µs writing a fresh buffer, 150 µs a reused one). It keeps the largest
-    size asked for under each name: a few MB per name at the default block sizes."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, Tensor] = {}
-        self._views: dict[str, tuple[tuple[int, ...], torch.dtype, Tensor]] = {}  # the last view handed out
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        """A contiguous CPU tensor [shape] of `dtype` (contents undefined), valid until `name` is asked for again."""
-        shape = tuple(shape)
-        last = self._views.get(name)
-        if last is not None and last[0] == shape and last[1] == dtype:
-            return last[2]
-        size = math.prod(shape) * dtype.itemsize
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < size:
-            buf = self._buffers[name] = torch.empty(size, dtype=torch.uint8)
-        view = buf[:size].view(dtype).view(shape)
-        self._views[name] = (shape, dtype, view)
-        return view
 
 
 _LOCAL = threading.local()
 
 
-def _workspace() -> Workspace:
-    """This thread's `Workspace` (threads calling the fast path at once never share buffers)."""
+def _workspace() -> Buffers:
+    """This thread's buffers (threads calling the fast path at once never share them)."""
     if not hasattr(_LOCAL, "workspace"):
-        _LOCAL.workspace = Workspace()
+        _LOCAL.workspace = Buffers()
     return _LOCAL.workspace
 
 
-def split_probs(probs: Tensor, s: Tensor, ws: Workspace) -> tuple[Tensor, Tensor]:
+def split_probs(probs: Tensor, s: Tensor, ws: Buffers) -> tuple[Tensor, Tensor]:
     """The scaled probabilities p·s of a block in two int8 digits: probs fp32 [a, H, t] in [0, 1] (scores
     less a running max at least their own), signed row scales s fp32 [a, t, 1] → (digits int8 [a, 2H, t] =
     [hi; lo], m fp32 [a, 1, 1]) with p·s ≈ m · (hi + lo / 128): m = max_t |s_t| / 127 ≥ max_t p_t |s_t| / 127
@@ -178,15 +140,15 @@ def split_probs(probs: Tensor, s: Tensor, ws: Workspace) -> tuple[Tensor, Tensor
     spares the pass over [a, H, t] that max_t p_t |s_t| would take, and the division folds into the product."""
     m = s.abs().amax(1, keepdim=True).div_(127.0).clamp_min_(torch.finfo(torch.float32).tiny)  # [a, 1, 1]
     a, heads, t = probs.shape
-    digits = ws.get("digits", (a, 2 * heads, t), torch.float32)  # [hi; lo] in FP32, converted once
+    digits = ws.take("digits", (a, 2 * heads, t), torch.float32)  # [hi; lo] in FP32, converted once
     hi, lo = digits[:, :heads], digits[:, heads:]
     torch.mul(probs, (s / m).transpose(1, 2), out=lo)
     torch.round(lo, out=hi)
     lo.sub_(hi).mul_(PROB_STEP).round_()
-    return ws.get("digits8", digits.shape, torch.int8).copy_(digits), m
+    return ws.take("digits8", digits.shape, torch.int8).copy_(digits), m
 
 
-class _Part:
+class _CpuPart:
     """How one row part (c_kv, k_pe, or a whole float row) is read: its byte range in the row, its codes,
     scales and zero points, and the query's form for it."""
 
@@ -242,7 +204,7 @@ class _Part:
         lo = self._stored(part, lay.zero_offset)
         return s, lo if lay.spec.kind == "int4" else lo + 128.0 * s
 
-    def codes(self, part: Tensor, ws: Workspace) -> Tensor:
+    def codes(self, part: Tensor, ws: Buffers) -> Tensor:
         """int8 codes [n, W] of an integer part (sym int8: a strided view of the block; asym int8: q − 128;
         int4: the nibbles in the channel order `perm`, [low nibbles | high nibbles], signed q for symmetric
         codes from the C unpack, else unsigned). A dense copy of the sym int8 codes made the GEMMs faster but
@@ -250,7 +212,7 @@ class _Part:
         rc, raw = self.rc, part[:, : self.rc.layout.code_bytes]
         if rc.spec.symmetric and rc.spec.kind == "int8":
             return raw.view(torch.int8)
-        dense = ws.get(self.name + ".codes", (raw.shape[0], rc.width), torch.uint8)
+        dense = ws.take(self.name + ".codes", (raw.shape[0], rc.width), torch.uint8)
         if self.native is not None:
             return self.native(raw, dense, not self.asym)
         if rc.spec.kind == "int4":
@@ -323,7 +285,7 @@ def unpack_nibbles(raw: Tensor, out: Tensor | None = None) -> Tensor:
     return out.view(torch.int8)
 
 
-def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, query: tuple, ws: Workspace,
+def _int_scores(part: _CpuPart, codes: Tensor, s: Tensor, lo: Tensor | None, query: tuple, ws: Buffers,
                 into: Tensor | None = None) -> Tensor:
     """Unscaled base-2 scores [a, H, t] fp32 of an integer part for a sequences (added into `into`, the
     other part's, when given): codes int8 [a, t, W], s/lo fp32 [a, t, n_g], `query` the a sequences' (q8
@@ -333,13 +295,13 @@ def _int_scores(part: _Part, codes: Tensor, s: Tensor, lo: Tensor | None, query:
     q8, qs, qlo, shift = query
     a, t = codes.shape[:2]
     heads = q8.shape[2]
-    dots = ws.get(part.name + ".dots", (a, part.n_g, heads, t), torch.int32)
+    dots = ws.take(part.name + ".dots", (a, part.n_g, heads, t), torch.int32)
     for i in range(a):
         for g in range(part.n_g):
             torch._int_mm(q8[i, g], codes[i, :, g * part.g : (g + 1) * part.g].t(), out=dots[i, g])
     if shift is not None:
         dots.sub_(shift)
-    scaled = torch.mul(dots, qs, out=ws.get(part.name + ".scores", dots.shape, torch.float32))  # int32 x fp32
+    scaled = torch.mul(dots, qs, out=ws.take(part.name + ".scores", dots.shape, torch.float32))  # int32 x fp32
     s_t = s.transpose(1, 2).unsqueeze(2)  # [a, n_g, 1, t]
     if part.n_g == 1:
         scores = scaled[:, 0].mul_(s_t[:, 0]) if into is None else into.addcmul_(scaled[:, 0], s_t[:, 0])
@@ -369,10 +331,10 @@ class _Group:
     sequences (those still running), so every op of a block serves them all: one Python thread issues
     few, large ops and torch's intra-op threads share each (the C kernels: OpenMP, per sequence)."""
 
-    def __init__(self, queries: list, parts: tuple[_Part, ...], d_c: int, ws: Workspace,
+    def __init__(self, queries: list, parts: tuple[_CpuPart, ...], d_c: int, ws: Buffers,
                  state: tuple[Tensor, Tensor, Tensor]) -> None:
         """`parts`: `row_parts`, the first holding the d_c values; `queries`: the group's slice of each
-        part's `_Part.query` with factor scale · log2(e): the blocks' scores come out in base 2 (`exp2` is
+        part's `_CpuPart.query` with factor scale · log2(e): the blocks' scores come out in base 2 (`exp2` is
         ~3x faster than `exp` in torch on CPU), so m is the running max of score · log2(e); `state`: the
         group's (m, l, acc), set by its first block (every sequence has one) and acc zero before."""
         self.parts, self.q, self.d_c, self.ws = parts, queries, d_c, ws
@@ -390,7 +352,7 @@ class _Group:
                 if k and self.parts[k - 1].kern is not None:
                     continue  # ... of both parts in one call
                 both = [(pk, qk) for pk, qk in zip(self.parts[k:], self.q[k:]) if pk.kern is not None]
-                out = self.ws.get(p.name + ".scores", (a, self.acc.shape[1], t), torch.float32) if scores is None \
+                out = self.ws.take(p.name + ".scores", (a, self.acc.shape[1], t), torch.float32) if scores is None \
                     else scores
                 for i in range(a):
                     mine = [arg for pk, qk in both for arg in pk.c_args([(q8[i], qs[i]) for q8, qs in qk])]
@@ -405,10 +367,10 @@ class _Group:
                 if p is self.parts[0]:
                     values = (codes, s, lo)
             else:
-                rows = p.rc.decode(part, out=self.ws.get(p.name + ".rows", (a * t, p.rc.width), torch.float32))
+                rows = p.rc.decode(part, out=self.ws.take(p.name + ".rows", (a * t, p.rc.width), torch.float32))
                 rows = rows.view(a, t, -1)
                 if scores is None:
-                    out = self.ws.get(p.name + ".scores", (a, qp.shape[1], t), torch.float32)
+                    out = self.ws.take(p.name + ".scores", (a, qp.shape[1], t), torch.float32)
                     part_scores = torch.bmm(qp[:a], rows.transpose(1, 2), out=out)
                 else:
                     part_scores = scores.baddbmm_(qp[:a], rows.transpose(1, 2))
@@ -455,12 +417,12 @@ class _Group:
         unsigned int4 bias times each digit row's sum), the digits combined in FP32; lo' as probs @ lo'."""
         ws, heads = self.ws, probs.shape[1]
         digits, m = split_probs(probs, s, ws)
-        sums = ws.get("sums", (codes.shape[0], 2 * heads, codes.shape[2]), torch.int32)
+        sums = ws.take("sums", (codes.shape[0], 2 * heads, codes.shape[2]), torch.int32)
         for i in range(codes.shape[0]):
             torch._int_mm(digits[i], codes[i], out=sums[i])
         if self.parts[0].bias:
             sums.sub_(digits.sum(-1, keepdim=True, dtype=torch.int32) * self.parts[0].bias)
-        sums = ws.get("sums32", sums.shape, torch.float32).copy_(sums)
+        sums = ws.take("sums32", sums.shape, torch.float32).copy_(sums)
         acc.addcmul_(sums[:, :heads].add_(sums[:, heads:], alpha=1.0 / PROB_STEP), m)
         if lo is not None:
             acc.add_(torch.bmm(probs, lo))  # [a, H, 1]: one zero point per row
@@ -471,7 +433,7 @@ class _Group:
         ~2x slower than this)."""
         p = self.parts[0]
         a, t = codes.shape[:2]
-        v = self.ws.get("values", (a, t, p.n_g, p.g), torch.float32).copy_(codes.view(a, t, p.n_g, p.g))
+        v = self.ws.take("values", (a, t, p.n_g, p.g), torch.float32).copy_(codes.view(a, t, p.n_g, p.g))
         if p.bias:
             v.sub_(p.bias)
         v.mul_(s.unsqueeze(-1))
@@ -481,7 +443,7 @@ class _Group:
 
 
 
-def _finish(ckv: _Part, m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tensor, Tensor]:
+def _finish(ckv: _CpuPart, m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tensor, Tensor]:
     """(out [n, H, d_c], lse [n, H]) of the sequences' running max m and sum [n, H] (base 2) and acc
     [n, H, d_c] (in the codes' channel order, undone here)."""
     if ckv.perm is not None:
@@ -490,7 +452,7 @@ def _finish(ckv: _Part, m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tensor, 
 
 
 def row_parts(codec: LayerCodec, device: torch.device, c_unpack: bool = True,
-              c_kernels: bool = True) -> tuple[_Part, ...]:
+              c_kernels: bool = True) -> tuple[_CpuPart, ...]:
     """How the blocks read a row: (c_kv part, k_pe part), or one part for the whole row where both parts
     are the same float kind (fp16/fp16: one FP32 conversion and one score GEMM [H, d_c + d_r] x [d_c + d_r,
     t] per block instead of two of each; the values are the first d_c columns of that block). c_unpack:
@@ -499,12 +461,12 @@ def row_parts(codec: LayerCodec, device: torch.device, c_unpack: bool = True,
     ckv, kpe = codec.ckv.spec, codec.kpe.spec
     if ckv.is_float and ckv == kpe:
         row = RowCodec.build(CodecSpec(ckv.kind), codec.ckv.width + codec.kpe.width)
-        return (_Part(row, 0, device, "row"),)
-    return (_Part(codec.ckv, 0, device, "ckv", c_unpack, c_kernels),
-            _Part(codec.kpe, codec.layout.kpe_offset, device, "kpe", c_unpack, c_kernels))
+        return (_CpuPart(row, 0, device, "row"),)
+    return (_CpuPart(codec.ckv, 0, device, "ckv", c_unpack, c_kernels),
+            _CpuPart(codec.kpe, codec.layout.kpe_offset, device, "kpe", c_unpack, c_kernels))
 
 
-def _group_blocks(pool: Tensor, pages: list[list[int]], lens: list[int], block_tokens: int, ws: Workspace):
+def _group_blocks(pool: Tensor, pages: list[list[int]], lens: list[int], block_tokens: int, ws: Buffers):
     """The gathered `_BlockRows` (rows uint8 [a, t, row_bytes], invalid bool [a, t] | None) of each block of a
     group of sequences (pages[i] and lens[i] > 0 per sequence, longest first): the a sequences still running,
     t = whole pages up to block_tokens. One sequence: its valid rows only (a view of the pool where the
@@ -518,7 +480,7 @@ def _group_blocks(pool: Tensor, pages: list[list[int]], lens: list[int], block_t
         width = -(-n_valid[0] // block_size)
         ids = [row[start : start + width] for row in pages[: len(n_valid)]]
         ids = [row + row[:1] * (width - len(row)) for row in ids]
-        raw = gather_pages(pool, ids, out=ws.get("raw", (len(ids), width * block_size, row_bytes), torch.uint8))
+        raw = gather_pages(pool, ids, out=ws.take("raw", (len(ids), width * block_size, row_bytes), torch.uint8))
         if len(ids) == 1:
             yield _BlockRows(n_valid[0], n_valid, raw[:, : n_valid[0]])
             continue
@@ -533,27 +495,24 @@ def _group_blocks(pool: Tensor, pages: list[list[int]], lens: list[int], block_t
 
 
 def mla_decode_cpu(
-    q: Tensor,
-    pool: Tensor,
-    block_table: Tensor,
-    seq_lens: Tensor,
-    codec: LayerCodec,
-    d_c: int,
+    inputs: DecodeInputs,
     scale: float,
     block_tokens: int | None = None,
     group: int = GROUP_SEQUENCES,
     c_unpack: bool = True,
     c_kernels: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """Fast CPU `mla_decode` (module docstring): q [B, H, d_c + d_r] float, pool uint8 [num_blocks,
-    block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B] → out [B, H, d_c] fp32,
-    lse [B, H] fp32 (seq_lens 0: out 0, lse −inf). block_tokens: tokens per sequence and block, rounded to
-    whole pages (default `block_tokens_for(codec)`); group: sequences whose blocks run as one batch of torch ops,
-    longest first; c_unpack: int4 codes by the C helper where it builds (`mlaquant.attention.native`), else by torch
-    ops (the same outputs bit for bit: the same INT32 sums); c_kernels: integer parts by the C kernels where they build
-    (`mlaquant.attention.native.kernels`; every part integer: the whole call in one `Kernels.decode`, rows read in
-    place, the online softmax inside the kernels)."""
-    pages, lens = DecodeInputs(q, pool, block_table, seq_lens, codec, d_c).host_pages()
+    """Fast CPU `mla_decode` (module docstring) for checked inputs (`DecodeInputs`: q [B, H, d_c + d_r] float,
+    pool uint8 [num_blocks, block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B], codec)
+    → out [B, H, d_c] fp32, lse [B, H] fp32 (seq_lens 0: out 0, lse −inf).
+    block_tokens: tokens per sequence and block, rounded to whole pages (default `block_tokens_for(codec)`);
+    group: sequences whose blocks run as one batch of torch ops, longest first; c_unpack: int4 codes by the C
+    helper where it builds (`mlaquant.attention.native`), else by torch ops (the same outputs bit for bit: the same
+    INT32 sums); c_kernels: integer parts by the C kernels where they build (`mlaquant.attention.native.kernels`;
+    every part integer: the whole call in one `Kernels.decode`, rows read in place, the online softmax inside the
+    kernels)."""
+    q, pool, codec, d_c = inputs.q, inputs.pool, inputs.codec, inputs.d_c
+    pages, lens = inputs.host_pages()
     block_tokens = block_tokens or block_tokens_for(codec, c_kernels)
     parts = row_parts(codec, q.device, c_unpack, c_kernels)
     in_place = all(p.kern is not None for p in parts) and pool.is_contiguous()
@@ -566,7 +525,7 @@ def mla_decode_cpu(
     queries = [p.query(xp, scale * LOG2E) for p, xp in zip(parts, x)]
     ws, n = _workspace(), len(order)
     m, total = torch.empty(n, heads, device=q.device), torch.empty(n, heads, device=q.device)
-    acc = ws.get("acc", (n, heads, d_c), torch.float32).zero_()  # a reused buffer: no fresh pages to fault in
+    acc = ws.take("acc", (n, heads, d_c), torch.float32).zero_()  # a reused buffer: no fresh pages to fault in
     if in_place and n:
         block_tokens = max(pool.shape[1], block_tokens // pool.shape[1] * pool.shape[1])
         c_parts = [arg for p, qp in zip(parts, queries) for arg in p.c_args(qp)]
@@ -583,7 +542,7 @@ def mla_decode_cpu(
 
 
 def _rows(query, begin: int, end: int):
-    """Sequences [begin, end) of a part's batched `_Part.query` (a tensor, a tuple of tensors / None, or the C
+    """Sequences [begin, end) of a part's batched `_CpuPart.query` (a tensor, a tuple of tensors / None, or the C
     parts' list of (q8, qs))."""
     if isinstance(query, list):
         return [(q8[begin:end], qs[begin:end]) for q8, qs in query]

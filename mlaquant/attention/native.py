@@ -85,7 +85,6 @@ _SIGNATURES = {
     "mlaq_exp2": [_P, _I64, ctypes.c_float, _P, _P],
     "mlaq_decode": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P, _P, _P, _I64, _P, _I64, _P, _P, _INT, _P, _INT],
     "mlaq_w8a8": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT],
-    "mlaq_pv_sums": [_P, _P, _I64, _I64, _I64, _INT, _I64, _I64, _P, _I64, _I64, _P, _INT],
 }
 
 
@@ -350,18 +349,6 @@ class Kernels:
         out, total = torch.empty_like(x), ctypes.c_float()
         self.lib.mlaq_exp2(x.data_ptr(), x.numel(), m, out.data_ptr(), ctypes.addressof(total))
         return out, total.value
-
-    def pv_sums(self, rows: Rows, n: int, part: Part, p16: Tensor) -> Tensor:
-        """The exact sums S fp64 [H, W] = Σ_t P[g(c), h, t] · c'[t, c] for given P int16 [G, H, npad] (npad even
-        ≥ n, contiguous): the integer part of `pv`, for tests."""
-        groups, heads, npad = p16.shape
-        if p16.dtype != torch.int16 or not p16.is_contiguous() or npad % 2 or npad < n or groups != part.groups:
-            raise ValueError(f"pv_sums: P int16 [{part.groups}, H, even ≥ {n}] contiguous, got {p16.dtype} "
-                             f"{tuple(p16.shape)}")
-        out = torch.empty(heads, part.width, dtype=torch.float64)
-        self.lib.mlaq_pv_sums(*rows.args(), n, part.kind, part.width, part.group_size, p16.data_ptr(), npad, heads,
-                              out.data_ptr(), torch.get_num_threads())
-        return out
 
 
 def describe() -> str:

@@ -1,7 +1,7 @@
 """`mlaquant bench decode --batch 1,16`: one decode-attention call (`ops.mla_decode`, DeepSeek-V2-Lite
 attention shapes H 16, d_c 512, d_r 64) per batch × context × codec × path ("reference" = backend torch,
 "fast" = backend cpu: integer parts by the C kernels of `mlaquant.attention.native` where they build; "auto" = backend
-auto, what this machine's routing rule picks, `ops.cpu_routing`; "fast BxG" = the fast path with B tokens per
+auto, what this machine's routing rule picks, `backends.cpu_routing`; "fast BxG" = the fast path with B tokens per
 sequence and block, G sequences per group, for tuning `cpu_decode`'s defaults; "fast torch-ops" = the fast path
 with torch ops instead of the C kernels (`torch._int_mm`, the int4 unpack still in C), for codecs with an integer
 part where the kernels build), against the machine's bound measured in the same run. The first line printed
@@ -24,10 +24,11 @@ import time
 
 import torch
 
-from mlaquant.attention import native, ops
+from mlaquant.attention import backends, native
 from mlaquant.attention.cpu_decode import mla_decode_cpu, pv_kind
+from mlaquant.attention.decode_inputs import DecodeInputs
 from mlaquant.attention.ops import mla_decode
-from mlaquant.quant.codecs import LayerCodec
+from mlaquant.quant.codecs import LayerCodec, split_pair
 
 HEADS, D_C, D_R, PAGE = 16, 512, 64, 64
 PATHS = {"reference": "torch", "fast": "cpu", "auto": "auto"}
@@ -94,7 +95,7 @@ def step_bound(codec: LayerCodec, batch: int, context: int, probes: dict) -> flo
 def describe_machine() -> str:
     """The header line: torch's CPU capability, the C kernels' ISA variant, and the routing rule of "auto"."""
     return (f"-- cpu: torch capability {torch.backends.cpu.get_cpu_capability()}, C kernels "
-            f"{native.describe()}; auto: {ops.cpu_routing().describe()}")
+            f"{native.describe()}; auto: {backends.cpu_routing().describe()}")
 
 
 def _problem(codec: LayerCodec, batch: int, context: int, seed: int):
@@ -111,7 +112,7 @@ def _fast_variant(**options):
     group) and `fast torch-ops` (c_kernels=False)."""
 
     def call(q, pool, table, lens, codec, d_c, scale, _backend):
-        return mla_decode_cpu(q, pool, table, lens, codec, d_c, scale, **options)
+        return mla_decode_cpu(DecodeInputs(q, pool, table, lens, codec, d_c), scale, **options)
 
     return call
 
@@ -136,7 +137,7 @@ def bench_attention(
         for context in contexts:
             calls, bounds = {}, {}
             for name in codecs:
-                codec = LayerCodec.from_names(*(name.split("/") if "/" in name else (name, name)), D_C, D_R)
+                codec = LayerCodec.from_names(*split_pair(name), D_C, D_R)
                 q, pool, table, lens = _problem(codec, batch, context, seed=context)
                 bounds[name] = step_bound(codec, batch, context, probes)
                 mine = dict(paths)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import os
 import platform
@@ -40,6 +39,7 @@ import mlaquant
 from mlaquant.atomic import atomic_write
 from mlaquant.device import add_device_arguments, dtype_name, peak_memory
 from mlaquant.device import from_args as device_from_args
+from mlaquant.versions import library_versions
 
 REPO = Path(mlaquant.__file__).resolve().parents[1]
 CUDA_TESTS = ["tests/test_kernel_mla_decode.py", "tests/test_kernel_int8_gemm.py", "tests/test_kernel_session.py"]
@@ -158,7 +158,7 @@ def step_calibrate(device: torch.device, dtype: torch.dtype, sizes: Sizes, out: 
     rows = {r.get("codec", r.get("label")): r.get("metrics", {}).get("loss") for r in swept.get("rows", [])}
     return {
         "calibrate": cal,
-        "bits_per_value": round(plan.bits_per_value(model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim), 3),
+        "bits_per_value": round(plan.bits_per_value(), 3),
         "sweep_seconds": round(time.perf_counter() - t0, 2),
         "sweep_loss": rows,
         "sweep_note": "peers off (bitsandbytes / quanto / HQQ are optional and not in the GPU image)",
@@ -193,6 +193,7 @@ def step_stream(device: torch.device, dtype: torch.dtype, sizes: Sizes, ckpt: Pa
 
 
 def step_decode(device: torch.device, dtype: torch.dtype, sizes: Sizes, ckpt: Path) -> dict:
+    from mlaquant.attention.backends import resolve_backend
     from mlaquant.modeling.loader import load_model
     from mlaquant.runtime.cache import LatentCache
     from mlaquant.runtime.session import DecodeSession
@@ -219,7 +220,7 @@ def step_decode(device: torch.device, dtype: torch.dtype, sizes: Sizes, ckpt: Pa
             session.decode(nxt)
         _sync(device)
         out["tokens_per_s"][codec] = round(B * sizes.decode_steps / (time.perf_counter() - t0), 1)
-        out[f"{codec}_backend"] = session.backend
+        out[f"{codec}_backend"] = resolve_backend(session.backend, device).value
         del session
     return out
 
@@ -249,13 +250,10 @@ def render(report: dict) -> str:
 
 
 def _meta(device: torch.device, dtype: torch.dtype, quick: bool) -> dict:
-    triton = importlib.util.find_spec("triton")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     return {
         "device": str(device), "device_name": name, "dtype": dtype_name(dtype), "quick": quick,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "mlaquant": mlaquant.__version__,
-        "torch": torch.__version__, "python": platform.python_version(),
-        "triton": __import__("triton").__version__ if triton is not None else None,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **library_versions("triton"),
     }  # fmt: skip
 
 

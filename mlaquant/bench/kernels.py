@@ -26,7 +26,6 @@ import functools
 import json
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ import torch
 
 from mlaquant.atomic import atomic_write
 from mlaquant.errors import BackendError
+from mlaquant.versions import library_versions
 
 # name substring -> (HBM TB/s, dense FP16 tensor TFLOP/s, dense INT8 tensor TOP/s); first match wins.
 SPEC_PEAKS = [
@@ -124,12 +124,12 @@ def decode_rows(
 ) -> list[dict]:
     """Time mla_decode per (H, B, context, codec) and the expanded SDPA baseline; one dict per row."""
     from mlaquant.kernels import mla_decode as K
-    from mlaquant.quant.codecs import LayerCodec
+    from mlaquant.quant.codecs import LayerCodec, split_pair
 
     d_c, d_r = dims["d_c"], dims["d_r"]
     scale = (dims["d_n"] + d_r) ** -0.5
     gen = torch.Generator().manual_seed(0)
-    layer_codecs = [LayerCodec.from_names(*name.split("/"), d_c, d_r) for name in codecs]
+    layer_codecs = [LayerCodec.from_names(*split_pair(name), d_c, d_r) for name in codecs]
     config = K.load_kernel_config()  # what K.mla_decode runs with by default, for the chunk column
     rows: list[dict] = []
     for h in heads:
@@ -354,8 +354,7 @@ def run(args: argparse.Namespace) -> int:
                    args.time_budget)
     dims = {"d_c": args.d_c, "d_r": args.d_r, "d_n": args.d_n, "d_v": args.d_v}
     settings = {k: v for k, v in vars(args).items() if not k.startswith("_") and not callable(v)}
-    meta = {"device": name, "spec_peaks": peaks, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "args": settings}
+    meta = {"device": name, "spec_peaks": peaks, **library_versions("triton"), "args": settings}
     meta["copy_gb_per_s"] = copy_bandwidth(device, clock)
     rows = decode_rows(heads, batches, contexts, codecs, dims, device, clock, args.sdpa_max_gb, peaks)
     rows += gemm_rows(batches, shapes, device, clock, peaks)

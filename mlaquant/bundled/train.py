@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import math
-import platform
 import shlex
 import sys
 import time
@@ -32,6 +31,7 @@ from mlaquant.bundled import corpus as corpus_mod
 from mlaquant.config import load_config, to_dict
 from mlaquant.errors import MLAQuantError
 from mlaquant.evaluation.eval import position_spans
+from mlaquant.versions import library_versions
 
 EOS = "<|endoftext|>"
 COMPLETION_PROMPTS = ("def fibonacci(n):", "import os\n\ndef ", "class Stack:\n    def __init__(self):")
@@ -515,8 +515,8 @@ def new_record(
     return {
         "config": to_dict(cfg),
         "command": command,
-        "python_version": platform.python_version(),
-        "torch_version": torch.__version__,
+        "python_version": library_versions()["python"],
+        "torch_version": library_versions()["torch"],
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": data.tokenizer.get_vocab_size(),
         "train_files": len(corpus.splits["train"]),

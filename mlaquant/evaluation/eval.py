@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mlaquant.errors import MLAQuantError
-from mlaquant.modeling.model import MLAModel
+from mlaquant.modeling.protocol import LatentModel
 from mlaquant.quant.codecs import LayerCodec
 
 # Bucket edges of target positions for `EvalResult.by_position` (a sample of T tokens fills those below T).
@@ -131,17 +131,18 @@ class Evaluator:
     """Scores plans on fixed samples [N, T] against the FP16-cache reference, computed once.
 
     The reference's per-layer hidden states are kept so that a plan changing only layers ≥ i
-    re-runs from layer i (`first_layer`).
+    re-runs from layer i (`first_layer`). `model` is any `mlaquant.modeling.protocol.LatentModel`: a loaded
+    `MLAModel` runs batch after batch, a `StreamedModel` layer-major with what is kept in its spill pool; the
+    numbers are the same.
     """
 
-    def __init__(self, model: MLAModel, samples: torch.Tensor, batch_size: int = 8, progress=None) -> None:
+    def __init__(self, model: LatentModel, samples: torch.Tensor, batch_size: int = 8, progress=None) -> None:
         if samples.dim() != 2 or samples.shape[1] < 2:
             raise MLAQuantError(f"evaluation samples must be [N, T ≥ 2], got {list(samples.shape)}")
         self.model = model
         self.samples = samples
         self.batches = [b.to(model.device) for b in samples.split(batch_size)]
-        d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-        self.fp16 = [LayerCodec.from_names("fp16", "fp16", d_c, d_r) for _ in model.layers]
+        self.fp16 = [LayerCodec.from_names("fp16", "fp16", *model.cfg.latent_widths) for _ in model.layers]
         self.tokens = samples.shape[0] * (samples.shape[1] - 1)
         self.ref = self._reference(progress)
 
@@ -151,25 +152,25 @@ class Evaluator:
         return self.ref.nll / self.tokens
 
     def _reference(self, progress) -> Scores:
-        """Run the FP16-cache reference once, keeping every batch's per-layer inputs (`ref_inputs`) and
-        log-probabilities (`ref_logp`); returns its scores."""
-        self.ref_logp: list[torch.Tensor] = []
-        self.ref_inputs: list[list[torch.Tensor]] = []
+        """Run the FP16-cache reference once, keeping every layer's inputs per batch (`ref_inputs[layer][b]`
+        [B, T, hidden]) and every batch's log-probabilities (`ref_logp[b]` [B, T-1, V] float16); returns its
+        scores."""
+        self.ref_logp = self.model.store()
+        self.ref_inputs: list = []
         ref = Scores()
-        for ids in self.batches:
-            inputs: list[torch.Tensor] = []
-            logits = self.model(ids, fake_quant_hook(self.fp16), layer_inputs=inputs)[:, :-1]
-            self.ref_logp.append(ref.add(logits, ids, None).half())
-            self.ref_inputs.append(inputs)
-            if progress is not None:
-                progress.update(1)
+
+        def reference(b: int, logits: torch.Tensor) -> None:
+            self.ref_logp.append(ref.add(logits[:, :-1], self.batches[b], None).half())
+
+        hook = fake_quant_hook(self.fp16)
+        self.model.run(self.batches, hook, layer_inputs=self.ref_inputs, on_logits=reference, progress=progress)
         return ref
 
     def evaluate(
         self,
         codecs: list[LayerCodec | None],
         first_layer: int = 0,
-        model: MLAModel | None = None,
+        model: LatentModel | None = None,
         window: int = 0,
         loss_only: bool = False,
     ) -> EvalResult:
@@ -186,17 +187,18 @@ class Evaluator:
 
     def _score(self, model, hook_codecs: list[LayerCodec], first_layer: int, window: int, scores, loss_only) -> None:
         """Run every batch from `first_layer` with the latents through `hook_codecs`, adding to `scores`."""
-        for ids, ref_logp, inputs in zip(self.batches, self.ref_logp, self.ref_inputs):
-            hook = fake_quant_hook(hook_codecs, window)
-            logits = model(ids, hook, start_layer=first_layer, hidden=inputs[first_layer], window=window)[:, :-1]
-            scores.add(logits, ids, None if loss_only else ref_logp)
+
+        def score(b: int, logits: torch.Tensor) -> None:
+            scores.add(logits[:, :-1], self.batches[b], None if loss_only else self.ref_logp[b])
+
+        hook = fake_quant_hook(hook_codecs, window)
+        model.run(self.batches, hook, first_layer, self.ref_inputs[first_layer], window=window, on_logits=score)
 
 
-def sample_bytes(model: MLAModel, seq_len: int) -> int:
-    """Working memory one evaluated sample of `seq_len` tokens needs on the device (upper estimate; `model`
-    an `MLAModel` or a `StreamedModel`): FP32 scores and probabilities [H, T, T], expanded FP32 K/V, FP32
-    logits / log-probs, and every layer's input hidden state kept by the evaluator's reference (weights'
-    dtype)."""
+def sample_bytes(model: LatentModel, seq_len: int) -> int:
+    """Working memory one evaluated sample of `seq_len` tokens needs on the device (upper estimate): FP32
+    scores and probabilities [H, T, T], expanded FP32 K/V, FP32 logits / log-probs, and every layer's input
+    hidden state kept by the evaluator's reference (weights' dtype)."""
     c, T = model.cfg, seq_len
     h = c.num_attention_heads
     attention = 2 * h * T * T * 4 + 2 * T * h * (c.qk_head_dim + c.v_head_dim) * 4

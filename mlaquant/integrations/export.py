@@ -47,6 +47,7 @@ from mlaquant.integrations.engines import (
     sglang_serve_command,
     vllm_serve_command,
 )
+from mlaquant.quant.codecs import split_pair
 from mlaquant.runtime.plan import LayerPlan, Plan
 
 REPORT_FILE = "mlaquant_export.json"
@@ -134,7 +135,7 @@ def _layer_list(layers: list[int]) -> str:
 def engine_plan(plan: Plan, layers: list[LayerExport]) -> Plan:
     """The cache the engine will hold: e4m3/e4m3 where `layers` say fp8, the plan's own float codec where kept;
     unrotated, unclipped, no window (what `measure` evaluates)."""
-    lps = [LayerPlan(*ENGINE_FP8.split("/")) if lx.engine == "fp8" else LayerPlan(lp.ckv, lp.kpe)
+    lps = [LayerPlan(*split_pair(ENGINE_FP8)) if lx.engine == "fp8" else LayerPlan(lp.ckv, lp.kpe)
            for lx, lp in zip(layers, plan.layers)]
     return Plan(layers=lps)
 
@@ -198,10 +199,10 @@ def _check_out(out: Path, model_dir: Path, plan_dir: Path) -> None:
 
 
 def measure(model, plan: Plan, cached: Plan, args: argparse.Namespace) -> dict:
-    """Test-split metrics of the engine's cache `cached` and of every layer fp8, on the plan's test samples."""
-    from mlaquant.evaluation.eval import sample_bytes
+    """Test-split metrics of the engine's cache `cached` (bound to `model`) and of every layer fp8, on the plan's
+    test samples."""
+    from mlaquant.evaluation.eval import Evaluator, sample_bytes
     from mlaquant.evaluation.samples import token_samples
-    from mlaquant.modeling.stream import StreamedEvaluator
 
     if model.tokenizer is None:
         raise MLAQuantError(f"{model.source}: no tokenizer.json; export measures the exported cache on text")
@@ -214,15 +215,14 @@ def measure(model, plan: Plan, cached: Plan, args: argparse.Namespace) -> dict:
     tokens = token_samples(model.tokenizer, data, samples, seq_len, s.get("seed", 0) + 2, model.cfg.eos_id)
     # on CUDA as many samples as fit half the free memory; elsewhere the plan's own batch size
     batch = auto_batch_size(model.device, sample_bytes(model, seq_len), None, default=s.get("batch_size") or 8)
-    evaluator = StreamedEvaluator(model, tokens, batch)
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    every = Plan.uniform(ENGINE_FP8, len(plan.layers))
+    evaluator = Evaluator(model, tokens, batch)
+    every = Plan.uniform(ENGINE_FP8, len(plan.layers)).bind(model.cfg)
     return {
         "data": str(data),
         "samples": int(tokens.shape[0]),
         "seq_len": int(seq_len),
-        "engine": evaluator.evaluate(cached.layer_codecs(d_c, d_r)).as_dict(),
-        "every_layer_fp8": evaluator.evaluate(every.layer_codecs(d_c, d_r)).as_dict(),
+        "engine": evaluator.evaluate(cached.layer_codecs()).as_dict(),
+        "every_layer_fp8": evaluator.evaluate(every.layer_codecs()).as_dict(),
     }
 
 
@@ -277,7 +277,7 @@ def export(args: argparse.Namespace) -> dict:
     skip = [lx.layer for lx in layers if lx.engine == "kept"]
     where = str(out.resolve())  # serve.sh runs from any directory
     serve = vllm_serve_command(where, skip) if args.engine == "vllm" else sglang_serve_command(where)
-    metrics = measure(model, plan, engine_plan(plan, layers), args)
+    metrics = measure(model, plan, engine_plan(plan, layers).bind(model.cfg), args)
     budget = plan.budget if plan.budget is not None else 0.01
     loss = metrics["engine"]["loss"]
     if loss > budget and not args.force:

@@ -224,12 +224,11 @@ class PlanCache(Cache):
         cfg = identity.cfg
         self.plan = resolve_plan(plan, identity)
         _check_supported(self.plan)
-        d_c, d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        rotations = self.plan.rotations(d_c, d_r)
-        rope_order = rope_to_plan_order(d_r) if cfg.model_type == "deepseek_v2" else None
+        rotations = self.plan.rotations()
+        rope_order = rope_to_plan_order(cfg.qk_rope_head_dim) if cfg.model_type == "deepseek_v2" else None
         layers = [
-            PlanLayer(codec, d_c, rotations.get(i), rope_order, block_size)
-            for i, codec in enumerate(self.plan.layer_codecs(d_c, d_r))
+            PlanLayer(codec, cfg.kv_lora_rank, rotations.get(i), rope_order, block_size)
+            for i, codec in enumerate(self.plan.layer_codecs())
         ]
         super().__init__(layers=layers)
 

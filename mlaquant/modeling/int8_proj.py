@@ -36,7 +36,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from mlaquant.attention import native, ops
+from mlaquant.attention import backends, native
 from mlaquant.modeling.model import MLAAttention, MLAModel, shallow_copy
 from mlaquant.quant.int8_quant import OUT_DTYPES, quantize_activation, quantize_weight_per_channel
 
@@ -56,15 +56,16 @@ def grouped_int8_matmul(x: Tensor, w_int8: Tensor, w_scale: Tensor, backend: str
     (FP32 for other dtypes)."""
     out_dtype = x.dtype if x.dtype in OUT_DTYPES else torch.float32
     lead, (g, k) = x.shape[:-2], x.shape[-2:]
-    if ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.TRITON.value:
-        return ops.load_kernel("int8_gemm_grouped")(x, w_int8, w_scale, out_dtype)
-    cpu = ops.resolve_backend(backend, x.device, "int8_gemm_grouped") == ops.Backend.CPU.value
+    resolved = backends.resolve_backend(backend, x.device, "int8_gemm_grouped")
+    if resolved is backends.Backend.TRITON:
+        return backends.load_kernel("int8_gemm_grouped")(x, w_int8, w_scale, out_dtype)
+    cpu = resolved is backends.Backend.CPU
     kern = native.vector_kernels() if cpu and x.device.type == "cpu" and k < INT32_EXACT_K else None
     if kern is not None:  # one C call: activation codes, exact INT32 sums and the epilogue
         return kern.w8a8(x.reshape(-1, g, k), w_int8, w_scale).to(out_dtype).reshape(*lead, g, w_int8.shape[1])
     x8, sx, _ = quantize_activation(x.reshape(-1, k))
     x8 = x8.view(-1, g, k)
-    if cpu and k < INT32_EXACT_K and ops.torch_int8_vnni():
+    if cpu and k < INT32_EXACT_K and backends.torch_int8_vnni():
         acc = int_mm_sums(x8, w_int8).transpose(0, 1).float()
     else:
         acc = torch.einsum("mgk,gnk->mgn", x8.double(), w_int8.double()).float()  # exact sums

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlaquant.attention.reference import causal_attention
 from mlaquant.errors import CheckpointError
 
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
@@ -153,6 +154,11 @@ class MLAConfig:
     def latent_dim(self) -> int:
         """Values cached per token per layer: d_c + d_r."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def latent_widths(self) -> tuple[int, int]:
+        """(d_c, d_r) = (kv_lora_rank, qk_rope_head_dim): the widths of a cached row's two parts."""
+        return self.kv_lora_rank, self.qk_rope_head_dim
 
     def is_moe_layer(self, i: int) -> bool:
         return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
@@ -366,69 +372,6 @@ class MLAAttention(nn.Module):
         return self.o_proj(o.reshape(*o.shape[:2], -1))
 
 
-def masked_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    visible: torch.Tensor,
-    near: tuple[torch.Tensor, torch.Tensor] | None = None,
-    use_near: torch.Tensor | None = None,
-    with_lse: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Softmax attention of T queries over S keys, each query reading only its `visible` keys, all in FP32
-    (q, k, v are upcast first; a no-op for FP32 inputs).
-
-    q [B, T, H, D]; k [B, S, H, D] per head or [B, S, D] shared (MQA); v [B, S, H, E] or [B, S, E];
-    visible: bool, broadcastable to [B, H, T, S]. With `near` = (k, v) of the last W keys (shapes as k, v
-    with W for S), the (query, key) pairs of `use_near` (bool [T, S], False outside the last W keys) read
-    them instead of k, v: a residual window of unquantized rows. Returns (out [B, T, H, E] float32,
-    log-sum-exp of the scaled scores [B, H, T] float32 when `with_lse`, else None).
-    """
-    q, k, v = q.float(), k.float(), v.float()
-    near = None if near is None else (near[0].float(), near[1].float())
-    k_sub = "bshd" if k.dim() == 4 else "bsd"
-    v_sub = "bshe" if v.dim() == 4 else "bse"
-    scores = torch.einsum(f"bthd,{k_sub}->bhts", q, k) * scale  # [B, H, T, S]
-    S = scores.shape[-1]
-    if near is not None:
-        W = near[0].shape[1]
-        near_scores = torch.einsum(f"bthd,{k_sub}->bhts", q, near[0]) * scale  # [B, H, T, W]
-        scores[..., S - W :] = torch.where(use_near[:, S - W :], near_scores, scores[..., S - W :])
-    scores.masked_fill_(~visible, float("-inf"))
-    lse = scores.logsumexp(-1) if with_lse else None
-    probs = scores.softmax(-1, dtype=torch.float32)
-    del scores  # [B, H, T, S]: free it before the weighted sums (long prefill chunks)
-    if near is None:
-        return torch.einsum(f"bhts,{v_sub}->bthe", probs, v), lse
-    out = torch.einsum(f"bhts,{v_sub}->bthe", probs * ~use_near, v)
-    return out + torch.einsum(f"bhts,{v_sub}->bthe", probs[..., S - W :] * use_near[:, S - W :], near[1]), lse
-
-
-def causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    near: tuple[torch.Tensor, torch.Tensor] | None = None,
-    window: int = 0,
-) -> torch.Tensor:
-    """Causal `masked_attention` of the last T positions of a sequence over all S of its keys.
-
-    q [B, T, H, D] (positions S−T .. S−1); k, v as in `masked_attention`. With `near` = (k, v) of the
-    last W positions and `window` R, the query at position p reads `near` for keys p − R < s ≤ p (within
-    those W) and k, v for older keys. Returns [B, T, H, E].
-    """
-    T, S = q.shape[1], k.shape[1]
-    q_pos = torch.arange(S - T, S, device=q.device)[:, None]
-    k_pos = torch.arange(S, device=q.device)[None]
-    visible = k_pos <= q_pos  # [T, S]
-    use_near = None
-    if near is not None:
-        use_near = visible & (q_pos - k_pos < window) & (k_pos >= S - near[0].shape[1])
-    return masked_attention(q, k, v, scale, visible, near, use_near)[0]
-
-
 def weights_fingerprint(cfg: MLAConfig, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """sha256 (hex) over `cfg` and, per (name, tensor) in the order given (sorted by name by both callers),
     the name, the shape and a strided bf16 sample (every ⌊numel/4096⌋-th element) of the tensor.
@@ -540,7 +483,13 @@ class DecoderLayer(nn.Module):
 
 
 class MLAModel(nn.Module):
-    """DeepSeek-V2/V3 causal LM. Parameter names follow the Hugging Face checkpoints."""
+    """DeepSeek-V2/V3 causal LM. Parameter names follow the Hugging Face checkpoints.
+
+    Implements `mlaquant.modeling.protocol.LatentModel` (with `rotated`, `store`, `run`), like the
+    layer-streamed `mlaquant.modeling.stream.StreamedModel`.
+    """
+
+    supports_int8_projections = True  # `mlaquant.modeling.int8_proj.with_int8_projections` applies
 
     def __init__(self, cfg: MLAConfig) -> None:
         super().__init__()
@@ -604,6 +553,43 @@ class MLAModel(nn.Module):
                     rows, near = rows
             h = layer._mlp(h + layer.self_attn.forward_sequence(x, cos, sin, rows, near, window))
         return self.lm_head(self.norm(h)).float()
+
+    def rotated(self, rotations: dict[int, torch.Tensor]) -> MLAModel:
+        """`with_latent_rotation(self, rotations)`."""
+        return with_latent_rotation(self, rotations)
+
+    def store(self) -> list[torch.Tensor]:
+        """An empty list: where a caller keeps per-batch tensors across `run`s (all in memory)."""
+        return []
+
+    def run(
+        self,
+        batches: list[torch.Tensor],
+        latent_rows: Callable | None = None,
+        start_layer: int = 0,
+        hidden: list[torch.Tensor] | None = None,
+        layer_inputs: list | None = None,
+        window: int = 0,
+        on_logits: Callable[[int, torch.Tensor], None] | None = None,
+        progress=None,
+    ) -> None:
+        """Every batch [B, T] through layers start_layer.. (`forward`), batch after batch: the loaded twin of
+        `StreamedModel.run`, same arguments. `hidden[b]` resumes batch b at `start_layer`; `layer_inputs`, if a
+        list, receives one list per layer (start_layer..) of every batch's input hidden state [B, T, hidden];
+        `on_logits(b, logits [B, T, V] float32)` is called per batch, in order; `progress` advances per batch."""
+        kept = [[] for _ in range(start_layer, len(self.layers))]  # per layer, every batch's input
+        for b, ids in enumerate(batches):
+            inputs = [] if layer_inputs is not None else None
+            h = None if hidden is None else hidden[b]
+            logits = self(ids.to(self.device), latent_rows, start_layer, h, inputs, window)
+            for per_layer, x in zip(kept, inputs or ()):
+                per_layer.append(x)
+            if on_logits is not None:
+                on_logits(b, logits)
+            if progress is not None:
+                progress.update(1)
+        if layer_inputs is not None:
+            layer_inputs.extend(kept)
 
     @torch.no_grad()
     def forward_absorbed(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
@@ -674,7 +660,7 @@ def with_latent_rotation(model: MLAModel, rotations: dict[int, torch.Tensor]) ->
     for i, layer in enumerate(model.layers):
         rot = rotations.get(i)
         if rot is not None:
-            d_c, d_r = layer.self_attn.cfg.kv_lora_rank, layer.self_attn.cfg.qk_rope_head_dim
+            d_c, d_r = layer.self_attn.cfg.latent_widths
             if tuple(rot.shape) != (d_c + d_r, d_c + d_r):
                 want = [d_c + d_r] * 2
                 raise ValueError(f"layer {i}: latent rotation must be {want}, got {list(rot.shape)}")

@@ -13,8 +13,9 @@ memory up to `spill_bytes`, then on disk. On the CPU the first tier is empty: me
 
 Each step runs `MLAModel.forward` itself, on a one-layer view (`_View`) and on the same batches as a
 loaded model, so every number — latent ranges, losses, the plan — is bit-identical to the full-load
-run. `StreamedEvaluator` is the layer-major twin of `mlaquant.evaluation.eval.Evaluator` (and
-`mlaquant.calib.observers.observe_streamed` that of `observe`); `mlaquant calibrate --stream` uses them.
+run. `StreamedModel` implements `mlaquant.modeling.protocol.LatentModel` as `MLAModel` does, so the one
+`mlaquant.evaluation.eval.Evaluator` and `mlaquant.calib.observers.observe` run either (layer-major here, through
+`StreamedModel.run`); `mlaquant calibrate --stream` uses it.
 
 Memory accounting, per pass: the current layer (its parameters in the compute dtype, plus the
 checkpoint bytes of the tensor being converted), two hidden-state sets [N, T, hidden] (a layer's
@@ -40,7 +41,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from mlaquant.errors import CheckpointError
-from mlaquant.evaluation.eval import Evaluator, Scores, fake_quant_hook
 from mlaquant.modeling.loader import TensorReader, read_config, read_parameter, resolve_model_path, weight_files
 from mlaquant.modeling.model import (
     DecoderLayer,
@@ -50,7 +50,6 @@ from mlaquant.modeling.model import (
     weights_fingerprint,
     with_latent_rotation,
 )
-from mlaquant.quant.codecs import LayerCodec
 
 DEFAULT_SPILL_BYTES = 1 << 30
 
@@ -133,14 +132,6 @@ class Store:
     def __len__(self) -> int:
         return len(self.items)
 
-    @property
-    def on_disk(self) -> int:
-        return sum(isinstance(i, Path) for i in self.items)
-
-    @property
-    def on_device(self) -> int:
-        return sum(isinstance(i, torch.Tensor) and i.device.type != "cpu" for i in self.items)
-
     def release(self) -> None:
         """Free the memory / files now (also happens when the store is garbage-collected)."""
         self._finalizer()
@@ -169,11 +160,14 @@ class _View(nn.Module):
 
 
 class StreamedModel:
-    """A checkpoint directory run one decoder layer at a time; duck-types the parts of `MLAModel` that
-    calibration reads (`cfg`, `layers` (only its length), `tokenizer`, `source`, `fingerprint()`).
+    """A checkpoint directory run one decoder layer at a time: a `mlaquant.modeling.protocol.LatentModel`
+    (`cfg`, `layers` (only its length), `tokenizer`, `source`, `fingerprint()`, `rotated`, `store`, `run`), as
+    `MLAModel` is, without W8A8 projections.
 
     `resident_layers` / `max_resident_layers` count decoder layers alive in memory (tests use them).
     """
+
+    supports_int8_projections = False  # `with_int8_projections` rewrites resident layers; none is resident here
 
     def __init__(
         self,
@@ -244,6 +238,10 @@ class StreamedModel:
         new = copy.copy(self)
         new.rotations = {**self.rotations, **rotations}
         return new
+
+    def store(self) -> Store:
+        """An empty `Store` in the model's spill pool: where a caller keeps per-batch tensors across `run`s."""
+        return Store(self.pool)
 
     # --- tensors -----------------------------------------------------------------------------------
 
@@ -356,37 +354,3 @@ class StreamedModel:
                 progress.update(1)
         if owned:
             hidden.release()
-
-
-class StreamedEvaluator(Evaluator):
-    """`Evaluator` (mlaquant.evaluation.eval) for a `StreamedModel`: same samples, same batches, same metrics.
-
-    Keeps the FP16-cache reference's per-layer inputs and log-probabilities in the model's spill pool.
-    """
-
-    def _reference(self, progress) -> Scores:
-        self.ref_inputs: list[Store] = []
-        self.ref_logp = Store(self.model.pool)
-        ref = Scores()
-
-        def reference(b: int, logits: torch.Tensor) -> None:
-            self.ref_logp.append(ref.add(logits[:, :-1], self.batches[b], None).half())
-
-        hook = fake_quant_hook(self.fp16)
-        self.model.run(self.batches, hook, layer_inputs=self.ref_inputs, on_logits=reference, progress=progress)
-        return ref
-
-    def _score(self, model, hook_codecs: list[LayerCodec], first_layer: int, window: int, scores, loss_only) -> None:
-        """`Evaluator._score` layer-major over the streamed model (or `model`, e.g. `StreamedModel.rotated`)."""
-
-        def score(b: int, logits: torch.Tensor) -> None:
-            scores.add(logits[:, :-1], self.batches[b], None if loss_only else self.ref_logp[b])
-
-        model.run(
-            self.batches,
-            fake_quant_hook(hook_codecs, window),
-            start_layer=first_layer,
-            hidden=self.ref_inputs[first_layer],
-            window=window,
-            on_logits=score,
-        )

@@ -817,6 +817,15 @@ class LayerCodec(_LaidOut):
         return _relative_error(self.fake_quant(rows), rows, reduction)
 
 
+def split_pair(name: str) -> tuple[str, str]:
+    """'<ckv>/<kpe>' → (ckv, kpe); a single name is both parts ('int8' → ('int8', 'int8')). Names are not
+    parsed here (`CodecSpec.parse` does that); more than one '/' → CodecError."""
+    ckv, slash, kpe = name.partition("/")
+    if "/" in kpe or not ckv or (slash and not kpe):
+        raise CodecError(f"codec pair {name!r}: expected '<ckv>/<kpe>' or one codec name")
+    return ckv, kpe or ckv
+
+
 def fp8_static_scale(lo: Tensor | None, hi: Tensor | None) -> float:
     """The static e4m3 scale for values within [lo, hi] (per-channel bounds, either may be None):
     absmax / 448 in FP32, or 1.0 when the bounds are all zero."""

@@ -16,6 +16,9 @@ A plan directory holds two files, written atomically (temp dir, then rename):
 
 Uniform plans need no calibration: "fp32", "bf16", "fp16", "int8", "int4", or "<ckv>/<kpe>" codec
 names (e.g. "int4-g32/int8-g32"); they fit any model and carry no fingerprint.
+
+A plan reads its codecs, sizes and rotations at the latent widths (d_c, d_r) of the model it is bound to
+(`Plan.bind(model.cfg)`; `resolve_plan` binds); the binding is not saved, plan files are the same either way.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from safetensors.torch import load_file, save_file
 from mlaquant.atomic import atomic_directory
 from mlaquant.config import from_dict, to_dict
 from mlaquant.errors import MLAQuantError, PlanError
-from mlaquant.modeling.model import latent_rotation, with_latent_rotation
-from mlaquant.quant.codecs import CodecError, CodecSpec, LayerCodec, bits_per_value
+from mlaquant.modeling.model import MLAConfig, latent_rotation
+from mlaquant.quant.codecs import CodecError, CodecSpec, LayerCodec, bits_per_value, split_pair
 from mlaquant.versions import library_versions
 
 PLAN_VERSION = 1
@@ -76,6 +79,22 @@ class Plan:
     versions: dict = dataclasses.field(default_factory=dict)
     tensors: dict = dataclasses.field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        # (d_c, d_r) of the model set by `bind`; not a field, so never in plan.yaml (nor kept by dataclasses.replace)
+        self.latent_widths: tuple[int, int] | None = None
+
+    def bind(self, cfg: MLAConfig) -> Plan:
+        """Bind this plan to the latent widths (d_c, d_r) = `cfg.latent_widths` of the model it runs on, which
+        `layer_codec(s)`, `rotations`, `bytes_per_token`, `bits_per_value` and `apply` read; returns the plan."""
+        self.latent_widths = cfg.latent_widths
+        return self
+
+    def _widths(self) -> tuple[int, int]:
+        if self.latent_widths is None:
+            raise PlanError("plan is not bound to a model's latent widths: call plan.bind(model.cfg) first "
+                            "(resolve_plan binds)")
+        return self.latent_widths
+
     @classmethod
     def uniform(cls, name: str, num_layers: int) -> Plan:
         """The same codec in every layer: 'fp16', 'int8', 'int4', ... or '<ckv>/<kpe>', with optional
@@ -90,8 +109,7 @@ class Plan:
                 window = int(suffix[1:])
             else:
                 raise CodecError(f"unknown plan suffix '+{suffix}' (use '+w<R>' for a window of R tokens, '+i8mm')")
-        ckv, _, kpe = name.partition("/")
-        kpe = kpe or ckv
+        ckv, kpe = split_pair(name)
         for n in (ckv, kpe):
             CodecSpec.parse(n)
         ckv, kpe = CodecSpec.parse(ckv).name, CodecSpec.parse(kpe).name
@@ -106,16 +124,17 @@ class Plan:
         codec, int8_matmul = names.pop()
         return codec + (f"+w{self.window}" if self.window else "") + ("+i8mm" if int8_matmul else "")
 
-    def layer_codec(self, i: int, d_c: int, d_r: int, ckv: str | None = None, kpe: str | None = None) -> LayerCodec:
+    def layer_codec(self, i: int, ckv: str | None = None, kpe: str | None = None) -> LayerCodec:
         """Layer i's codec (optionally with other codec names but the same calibrated clip ranges)."""
         lp = self.layers[i]
         lo = self.tensors.get(f"layer{i}.clip_lo") if lp.clip else None
         hi = self.tensors.get(f"layer{i}.clip_hi") if lp.clip else None
-        return LayerCodec.from_names(ckv or lp.ckv, kpe or lp.kpe, d_c, d_r, lo, hi)
+        return LayerCodec.from_names(ckv or lp.ckv, kpe or lp.kpe, *self._widths(), lo, hi)
 
-    def rotations(self, d_c: int, d_r: int) -> dict[int, torch.Tensor]:
-        """Layer → [d_c + d_r, d_c + d_r] block-diagonal rotation for the layers that rotate a part: c_kv by
-        its stored matrix (`ckv_rotation`) or Hadamard signs, k_pe by Hadamard signs."""
+    def rotations(self) -> dict[int, torch.Tensor]:
+        """Layer → [d_c + d_r, d_c + d_r] float32 block-diagonal rotation for the layers that rotate a part: c_kv
+        by its stored matrix (`ckv_rotation`) or Hadamard signs, k_pe by Hadamard signs."""
+        d_c, d_r = self._widths()
         t = self.tensors
         out = {}
         for i, lp in enumerate(self.layers):
@@ -129,23 +148,24 @@ class Plan:
         return out
 
     def apply(self, model, backend: str = "auto"):
-        """The model this plan's cache rows belong to: rotated layers folded in, `int8_matmul` layers with
-        W8A8 absorbed projections on `backend` (`model` itself when the plan needs neither)."""
+        """The model this plan's cache rows belong to (a `mlaquant.modeling.protocol.LatentModel`): rotated
+        layers folded in (`model.rotated`), `int8_matmul` layers with W8A8 absorbed projections on `backend`
+        (`model` itself when the plan needs neither)."""
         from mlaquant.modeling.int8_proj import with_int8_projections
 
-        rotations = self.rotations(model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)
-        model = with_latent_rotation(model, rotations) if rotations else model
+        rotations = self.rotations()
+        model = model.rotated(rotations) if rotations else model
         return with_int8_projections(model, [i for i, lp in enumerate(self.layers) if lp.int8_matmul], backend)
 
-    def layer_codecs(self, d_c: int, d_r: int) -> list[LayerCodec]:
-        return [self.layer_codec(i, d_c, d_r) for i in range(len(self.layers))]
+    def layer_codecs(self) -> list[LayerCodec]:
+        return [self.layer_codec(i) for i in range(len(self.layers))]
 
-    def bytes_per_token(self, d_c: int, d_r: int) -> int:
+    def bytes_per_token(self) -> int:
         """Cache bytes per token summed over layers (codes, scales, zero points)."""
-        return sum(c.row_bytes for c in self.layer_codecs(d_c, d_r))
+        return sum(c.row_bytes for c in self.layer_codecs())
 
-    def bits_per_value(self, d_c: int, d_r: int) -> float:
-        codecs = self.layer_codecs(d_c, d_r)
+    def bits_per_value(self) -> float:
+        codecs = self.layer_codecs()
         return sum(bits_per_value(c) for c in codecs) / len(codecs)
 
     def check_model(self, model) -> None:
@@ -211,7 +231,7 @@ class Plan:
 
 
 def resolve_plan(plan: str | Path | Plan, model) -> Plan:
-    """A Plan from a Plan, a plan directory, or a uniform codec name; checked against `model`."""
+    """A Plan from a Plan, a plan directory, or a uniform codec name; checked against and bound to `model`."""
     if isinstance(plan, Plan):
         resolved = plan
     elif isinstance(plan, Path) or Path(plan).exists():
@@ -222,4 +242,4 @@ def resolve_plan(plan: str | Path | Plan, model) -> Plan:
         except CodecError as e:
             raise PlanError(f"plan '{plan}' is neither a plan directory nor codec names ({e})") from e
     resolved.check_model(model)
-    return resolved
+    return resolved.bind(model.cfg)

@@ -20,23 +20,17 @@ from pathlib import Path
 import torch
 
 from mlaquant.attention import ops
+from mlaquant.attention.backends import check_backend
+from mlaquant.attention.buffers import Buffers
+from mlaquant.attention.reference import causal_attention, masked_attention, merge_exact_lse
 from mlaquant.config import RuntimeConfig, load_runtime_config
 from mlaquant.device import place
 from mlaquant.errors import MLAQuantError
-from mlaquant.modeling.model import MLAModel, causal_attention, masked_attention
+from mlaquant.modeling.model import MLAModel
 from mlaquant.runtime.cache import LatentCache
 from mlaquant.runtime.plan import Plan, resolve_plan
 
 log = logging.getLogger(__name__)
-
-
-def merge_exact_lse(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Exact merge of softmax partials over disjoint key sets: outs [B, H, d], lses [B, H]."""
-    if len(outs) == 1:
-        return outs[0]
-    lse = torch.stack(lses)  # [S, B, H]
-    w = torch.softmax(lse, dim=0)[..., None]
-    return (torch.stack(outs) * w).sum(0)
 
 
 def _as_batch(input_ids, lengths) -> tuple[torch.Tensor, list[int]]:
@@ -60,8 +54,9 @@ class DecodeSession:
     """Prefill + decode for a batch of sequences over a (possibly quantized) paged latent cache.
 
     plan: "fp16" | "fp32" | "bf16" | "int8" | "int4" | "<ckv>/<kpe>" codec names | a plan directory |
-    a `Plan`. backend: "auto" (Triton on CUDA; on CPU the fast path for the calls `ops.auto_takes_fast`
-    picks, torch for the others) | "cpu" | "torch" | "triton".
+    a `Plan`. backend: a `mlaquant.attention.backends.Backend` name, checked against the model's device once
+    ("auto": per attention call the first backend of the device that takes it — Triton on CUDA where the kernel
+    reads the codec, on CPU the fast path where this machine's routing rule says it is faster —, else torch).
     guard: an object with `after_prefill(session, rows)` and `after_decode(session, rows)` hooks
     (see `mlaquant.runtime.guard.Guard`), or None. device / dtype (`mlaquant.device`: "auto", "cpu", "cuda[:N]";
     "auto", "float32", "bfloat16", "float16"): when given, the model is moved / cast first, in place
@@ -80,21 +75,18 @@ class DecodeSession:
     ) -> None:
         model = place(model, device, dtype)
         self.plan = resolve_plan(plan, model)
-        # the projections take the resolved backend once; every attention call asks for `backend` itself, so
-        # "auto" can pick per call (on CPU the fast path where ops.auto_takes_fast says it is faster)
-        self.backend = ops.resolve_backend(backend, model.device)  # an explicit backend that cannot run raises
-        self.attention_backend = backend
+        self.backend = check_backend(backend, model.device)  # an explicit backend that cannot run raises
         self.model = self.plan.apply(model, self.backend)
         self.runtime = load_runtime_config(runtime)
         self.guard = guard
         cfg = model.cfg
-        self.d_c, self.d_r = cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        self.codecs = self.plan.layer_codecs(self.d_c, self.d_r)
+        self.d_c = cfg.kv_lora_rank
+        self.codecs = self.plan.layer_codecs()
         self.scale = model.layers[0].self_attn.scale
         self.cache: LatentCache | None = None
         self.lengths: list[int] = []
         self.fallback_events: list[dict] = []
-        self.scratch = ops.Scratch()  # the torch decode path's buffers, reused step after step
+        self.scratch = Buffers()  # the torch decode path's buffers, reused step after step
 
     def _new_cache(self, batch: int) -> LatentCache:
         return LatentCache(self.codecs, batch, self.runtime.block_size, self.model.device, self.plan.window)
@@ -178,7 +170,7 @@ class DecodeSession:
                 seg.codec,
                 self.d_c,
                 self.scale,
-                self.attention_backend,
+                self.backend,
                 self.scratch,
             )
             outs.append(out)
@@ -209,7 +201,7 @@ class DecodeSession:
         ckv, kpe = codec.ckv.spec.wider() or codec.ckv.spec, codec.kpe.spec.wider() or codec.kpe.spec
         if ckv == codec.ckv.spec and kpe == codec.kpe.spec:
             return False
-        wider = self.plan.layer_codec(layer, self.d_c, self.d_r, ckv.name, kpe.name)
+        wider = self.plan.layer_codec(layer, ckv.name, kpe.name)
         self.cache.widen(layer, wider)
         event = {"layer": layer, "token": self.lengths[0], "from": codec.name, "to": wider.name, "reason": reason}
         self.fallback_events.append(event)

@@ -1175,41 +1175,6 @@ void mlaq_pv(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64
     free(alpha);
 }
 
-/* S only (tests): S[h][c] = sum_t P[g][h][t] * c'[t][c], P int16 [G][heads][npad] given, npad even >= n. */
-void mlaq_pv_sums(const uint8_t *base, const int64_t *pages, int64_t page_rows, int64_t stride, int64_t n, int kind,
-                  int64_t width, int64_t gs, const int16_t *P, int64_t npad, int64_t heads, double *S, int threads) {
-    part_t p = make_part(kind, width, gs, 0, 0);
-    const int64_t per_group = (p.gs + SLAB - 1) / SLAB, slabs = p.groups * per_group;
-    const uint8_t **rows = alloc((size_t)n * sizeof(*rows));
-    rows_from(base, pages, page_rows, stride, 0, n, rows);
-    int32_t *Pt = alloc((size_t)(p.groups * heads * npad) * 2);
-    for (int64_t g = 0; g < p.groups; g++)
-        for (int64_t h = 0; h < heads; h++)
-            for (int64_t j = 0; j < npad / 2; j++)
-                memcpy(Pt + (g * npad / 2 + j) * heads + h, P + (g * heads + h) * npad + 2 * j, 4);
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t s0, s1;
-        my_slabs(slabs, &s0, &s1);
-        if (s1 > s0) {
-            int64_t ldS = (s1 - s0) * SLAB;
-            double *local = alloc((size_t)(heads * ldS) * 8);
-            int16_t *B = alloc((size_t)(PV_CHUNK / 2) * 32 * 2);
-            pv_slabs(&p, rows, n, Pt, npad, heads, local, s0, s1, B);
-            for (int64_t sl = s0; sl < s1; sl++) {
-                int64_t g = sl / per_group, c0 = g * p.gs + (sl % per_group) * SLAB;
-                int64_t w = (g + 1) * p.gs - c0 < SLAB ? (g + 1) * p.gs - c0 : SLAB;
-                for (int64_t h = 0; h < heads; h++)
-                    for (int64_t c = 0; c < w; c++) S[h * width + c0 + c] = local[h * ldS + (sl - s0) * SLAB + c];
-            }
-            free(local);
-            free(B);
-        }
-    }
-    free((void *)rows);
-    free(Pt);
-}
-
 /* The whole in-place decode of nseq sequences whose parts are all integer: for each sequence s, block by block
  * (block_tokens, a multiple of page_rows), mlaq_scores into a scratch row block (with its maxes), then the block's
  * online-softmax step and the P.V of each of the first nvalues parts (the c_kv part, or its bands) into acc[s]

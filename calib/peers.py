@@ -303,8 +303,7 @@ class TransformersPeers:
 def measure_nf4(evaluator: Evaluator, blocksize: int) -> dict:
     """The bnb NF4 row: our evaluator with every layer's latent through `NF4Codec`."""
     model = evaluator.model
-    d_c, d_r = model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim
-    codec = NF4Codec(d_c, d_r, blocksize)
+    codec = NF4Codec(*model.cfg.latent_widths, blocksize)
     result = evaluator.evaluate([codec] * len(model.layers))
     notes = "" if None not in codec.blocks else "a part narrower than bnb's smallest block (32) is kept FP16"
     return {
@@ -333,7 +332,7 @@ def measure_llama_cpp(evaluator: Evaluator, cache_type: str) -> dict:
     gguf = llamacpp.gguf_for(model.source, cache_dir() / "gguf")
     logits = [llamacpp.token_logits(gguf, ids.cpu(), cache_type, n_threads=1) for ids in evaluator.batches]
     part = LLAMA_CPP_CODECS[cache_type]
-    row = LayerCodec.from_names(part, part, model.cfg.kv_lora_rank, model.cfg.qk_rope_head_dim)
+    row = LayerCodec.from_names(part, part, *model.cfg.latent_widths)
     return {
         "label": f"llama.cpp {cache_type} (llama-cpp-python {package_version('llama-cpp-python')})",
         "codec": row.name,
