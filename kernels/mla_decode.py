@@ -29,54 +29,11 @@ chooses per block shape and part family (`scored_parts`; configs/kernels.yaml sa
 part of a narrow block and the integer families listed are FP16-scored, a band c_kv part always; no query kernel
 runs when no part is INT8-scored.
 
-GPU layout, of the kernels and their launches (each choice compiled with `mlaquant bench kernels --aot`, Triton
-3.9; "loop" counts the main loop's static instructions, (n) of them in the lazy-rescale branch;
-docs/aot_round3.md has the tables):
-- Stage 0 (`query_kernel`) quantizes an INT8-scored part's query once per (sequence, head) into q8,
-  qs·qk_scale and Σq8; stage 1 loads them, and Triton keeps the loaded int8 query in shared memory as the
-  wgmma operand (quantized inside stage 1, the 64 x 576 query was held in registers: 36 per thread, spills).
-- Above 16 heads on sm_90a, blocks of 128 heads on 8 warps with the 512 value channels in two programs
-  (`d_split` 2): each warpgroup owns 64 heads (one M = 64 wgmma), so a head's scores, softmax and P stay inside
-  one warpgroup, and the accumulator is 128 x 256 FP32. Both programs of a head block compute its scores (the
-  QK MMA work doubles). On sm_80 (`targets.sm_80`: no wgmma) blocks of 32 heads on 8 warps, unsplit: the
-  128-head mma.sync blocks spilled 272-3088 B per thread.
-- Grouped parts at 128 heads are FP16-scored: one INT8 dot and one FP32 rescale per group made int8-g64 /
-  int4-g32 issue-bound at 196 / 301 cycles per token (loop 782 / 1204 for 16 tokens); scored in FP16 on the
-  dequantized tile they are MMA-bound (100 / 104 cycles, loop 799 (138) / 772 (138) for 32 tokens). Integer
-  k_pe parts too (int4-row-asym 422 -> 388 µs predicted), except a row-wise k_pe beside a grouped c_kv, which
-  spilled 104 B. Narrow blocks FP16-score every integer part: the V tile is dequantized anyway, and the INT8
-  path's separate nibble unpack and rescale cost more (INT4-row at 16 heads: loop 960 -> 772).
-- A tile dequantized for two dots passes an identity that Triton may not duplicate (`_computed_once`): without
-  it Triton recomputed the dequantization in each dot's register layout (INT4-row, 16 heads: loop 1401 -> 765).
-  INT8 codes become FP16 by a PRMT (`_int8_f16`), not I2F (a quarter-rate conversion).
-- FP16-scored int4 parts split their channels into contiguous halves (`half_values(..., NIBBLES=False)`), so the
-  FP16 query halves load contiguously: the strided loads of even / odd channels spilled 8-80 B in the prologue.
-- Lazy rescaling: the running max (and the accumulators) move only when a tile's max exceeds it by more than
-  2^RESCALE_LOG2 (p ≤ 256 in FP16); the rescale of the 128 x 256 accumulator was 128 FMULs per thread and tile,
-  now a branch taken about twice per program (kernels/aot.py: RESCALES_PER_PROGRAM).
-- A program owns one value half, a constexpr in `_chunk_loop`, so it compiles that half's dequantization only.
-- A tile is BLOCK_N consecutive tokens of one sequence; when BLOCK_N divides the pool's page (32 or 16 of 64)
-  it lies in one page, so one block-table entry gives a scalar base and every load of the tile is that base
-  plus loop-invariant offsets (`page_rows`); other page sizes look up each token's page (`tile_rows`).
-- Whole tiles run with a constant all-true mask that Triton folds away; the one partial tile of a chunk runs
-  first, its tokens past the range reading the tile's first token instead (no masked loads, fewer live
-  predicates: int4-g32 at 128 heads 16 -> 8 B of stack) with their scores set to −inf.
-- Tiles of 32 tokens in every family (64 spill 24-104 B at 128 heads); one pipeline stage (two need 208-376
-  KiB of shared memory at 128 heads). The cost model ignores latency, which more stages would hide.
-- The merge (stage 2) runs 128 channels per program: 16 x 512 used all 255 registers (now 72).
-- Band c_kv parts (`band_values`): codes reach FP16 without conversions — 8-bit by `_int8_f16`, 4-bit by
-  `_nibble_f16`, 2- and 3-bit by shifts and masks into the mantissa of FP16 1024 (`_code_f16`), one element-wise
-  plane per code position (a 3-bit band as three byte planes), interleaved into channel order like the nibbles.
-  Compiled for a 256-channel band at 128 heads: loop 639 instructions at 3 bits, 583 at 2 (549 at 4, 539 at 8);
-  written as one shift by a broadcast [BN, U, 8] and a reshape they were 909 / 723 (the byte loads lost their
-  vectorization and the reshape went through shared memory).
-- A band part whose coded channels fit in one value half (at most d_c / 2) runs one program per head block
-  (`value_split`), which holds them all and computes the scores once: band-8x64-4x64-2x128-0x256 at 128 heads
-  36 MMA cycles per token instead of 56 with two programs (188 instead of 276 µs predicted). With more coded
-  channels the two programs share them evenly (a multiple of 16 channels near the middle, not d_c / 2).
-- The band epilogue stores each segment after the loop (Triton 3.6 hoisted the pointers of a store computed
-  before the loop and spilled 104 B), and the 0-bit channels as power-of-two pieces (a masked [BH, d_c] store
-  of zeros spilled too).
+GPU layout: per target a block shape (`KernelConfig.tile_for`: above 16 heads on sm_90a 128 heads on 8 warps in
+two value halves, wgmma; on sm_80 32 heads on 8 warps; up to 16 heads one 16-row block on 4 warps), the parts
+scored in FP16 (`scored_parts`), tiles of 32 tokens in one stage, lazy rescaling by 2^RESCALE_LOG2, page-aligned
+tiles (`page_rows`, else `tile_rows`), one program per head block for a band part that fits one value half
+(`value_split`). Each choice and the compile report behind it: docs/kernels.md, "GPU layout".
 
 Split-KV. The context is cut into chunks of `chunk_tokens` (a multiple of the 64-token page). By default, on
 a GPU, `schedule_chunk` sizes them to fill the SMs (waves x pages per program within 10 % of the best, the
@@ -85,7 +42,7 @@ context: 512 below 2k tokens, 768 for 2k-8k, 1024 above. Stage 1 runs one progra
 half when `d_split` is 2], chunk, sequence) — head blocks fastest, so the programs reading one tile run side
 by side and all but the first hit L2; `KernelConfig.tile_for` gives the block (128 heads on 8 warps in two
 value halves, wgmma, above 16 heads on sm_90a; 32 heads on 8 warps on sm_80; one 16-row block on 4 warps up
-to 16) — with an FP32 online softmax (base 2, lazily rescaled: see GPU layout) and writes the chunk's
+to 16) — with an FP32 online softmax (base 2, lazily rescaled) and writes the chunk's
 normalized partial output h_k [d_c] and its natural-log LSE λ_k. Stage 2 folds the chunks of each sequence
 left to right with an FP16 sigmoid gate (mla_decode_jit's docstring): g = σ(λ_a − λ_b) computed in FP32 and
 rounded to FP16 (ĝ), h = ĝ·h_a + (1 − ĝ)·h_b on FP32 accumulators, λ the exact FP32 log-sum-exp of the two.

@@ -1,6 +1,6 @@
 """`mlaquant bench gpu --out DIR` (`mlaquant.bench.gpu`): one GPU acceptance run → report.md + report.json.
 
-Sized to take ≤ 8 minutes on one H100 / H200 — not measured yet: no GPU was available when it was written.
+Sized for ≤ 8 minutes on one H100 / H200 (a target; the report records each step's wall time).
 
 Steps, in order; each records its status (ok / failed / skipped, with the reason), wall time and peak
 GPU memory, and a failure does not stop the later steps:

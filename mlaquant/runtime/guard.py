@@ -22,9 +22,9 @@ new range is the union of the current one and the (1 − percentile, percentile)
 so a channel that drifts past its calibrated range stops being clipped while the calibrated clipping of
 the others stays. Integer codecs store each row's scales, so only rows written afterwards change (static
 FP8 parts, whose scale the reader needs, are left alone). Events go to `guard.recalibrations`.
-On by default (every 64 decode steps): `scripts/measure_recalibration.py` measures it, and on the
-bundled model's calibrated plan with every layer clipped, decoding sequences 4× the calibration length,
-it takes the loss from +1.20 % to +0.59 % (README, "Runtime guard"); 0 turns it off.
+On by default (every 64 decode steps; 0 turns it off): `scripts/measure_recalibration.py` measures what it
+buys on sequences longer than the calibration ones (steps `guard`, `guard_clip_all` of
+scripts/regenerate_readme.sh; docs/results.md).
 """
 
 from __future__ import annotations
