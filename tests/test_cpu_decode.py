@@ -5,6 +5,8 @@ taken out; W8A8 projections through INT32 GEMMs bit-identical to the FP64 emulat
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -266,3 +268,24 @@ def test_reused_buffers_give_the_same_result_across_shapes_and_threads():
         t.join()
     assert all(torch.equal(a, b) for a, b in zip(got["b"], first))
     assert all(torch.equal(a, b) for a, b in zip(got["s"], run(small)))
+
+
+def test_split_threads_follows_the_probe_and_never_changes_the_outputs(monkeypatch):
+    """Fewer live sequences than threads: the C decode splits them across torch's threads only where the one-time
+    probe measured that faster; either way the outputs are the same bits."""
+    from mlaquant.attention import cpu_decode
+
+    if native.vector_kernels() is None:
+        pytest.skip("no vector ISA variant of the C kernels builds here")
+    codec = LayerCodec.from_names("int8-row", "int4-row", D_C, D_R)
+    q, pool, table, lens, _, _ = _cache(codec, [300])
+    inputs = DecodeInputs(q, pool, table, lens, codec, D_C)
+    one, two = mla_decode_cpu(inputs, SCALE, threads=1), mla_decode_cpu(inputs, SCALE, threads=2)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    for slow, want in ((2, 1), (1, 2)):  # the team that sleeps longer loses
+        monkeypatch.setattr(cpu_decode, "mla_decode_cpu",
+                            lambda inputs, scale, threads, slow=slow: time.sleep(0.004 if threads == slow else 0.0))
+        cpu_decode.split_threads.cache_clear()
+        assert cpu_decode.split_threads(2) == want
+    cpu_decode.split_threads.cache_clear()
+    assert cpu_decode.split_threads(1) == 1

@@ -109,7 +109,9 @@ class CpuRouting:
     def describe(self) -> str:
         integer = {
             "native": f"integer caches by the {self.native_isa} C kernels from "
-                      f"{CPU_NATIVE_MIN_MEAN.get(self.native_isa, 2048)} tokens per sequence",
+                      f"{CPU_NATIVE_MIN_MEAN.get(self.native_isa, 2048)} tokens per sequence, fewer sequences than "
+                      f"{torch.get_num_threads()} threads on {cpu_decode.split_threads(torch.get_num_threads())} "
+                      "(probed)",
             "int_mm": "integer caches by torch._int_mm (VNNI) from the measured thresholds",
             "reference": "integer caches on the reference (no C kernels, and torch's int8 GEMM has no VNNI here)",
         }[self.integer]

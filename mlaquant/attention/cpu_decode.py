@@ -53,7 +53,10 @@ blocks, permuted block tables), both with the C kernels and with torch ops.
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
+import time
 
 import torch
 from torch import Tensor
@@ -501,6 +504,7 @@ def mla_decode_cpu(
     group: int = GROUP_SEQUENCES,
     c_unpack: bool = True,
     c_kernels: bool = True,
+    threads: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Fast CPU `mla_decode` (module docstring) for checked inputs (`DecodeInputs`: q [B, H, d_c + d_r] float,
     pool uint8 [num_blocks, block_size, row_bytes], block_table int [B, max_blocks], seq_lens int [B], codec)
@@ -510,7 +514,8 @@ def mla_decode_cpu(
     helper where it builds (`mlaquant.attention.native`), else by torch ops (the same outputs bit for bit: the same
     INT32 sums); c_kernels: integer parts by the C kernels where they build (`mlaquant.attention.native.kernels`;
     every part integer: the whole call in one `Kernels.decode`, rows read in place, the online softmax inside the
-    kernels)."""
+    kernels); threads: the C decode's threads when the call has fewer live sequences than torch's threads (default
+    `split_threads`; with at least as many, torch's threads take whole sequences). The outputs do not depend on it."""
     q, pool, codec, d_c = inputs.q, inputs.pool, inputs.codec, inputs.d_c
     pages, lens = inputs.host_pages()
     block_tokens = block_tokens or block_tokens_for(codec, c_kernels)
@@ -529,8 +534,10 @@ def mla_decode_cpu(
     if in_place and n:
         block_tokens = max(pool.shape[1], block_tokens // pool.shape[1] * pool.shape[1])
         c_parts = [arg for p, qp in zip(parts, queries) for arg in p.c_args(qp)]
+        team = torch.get_num_threads()
+        team = team if n >= team else split_threads(team) if threads is None else threads
         parts[0].kern.decode(pool, [torch.tensor(pages[b], dtype=torch.int64) for b in order], [lens[b] for b in order],
-                             block_tokens, c_parts, acc, m, total, tuple(ch for _, _, ch in parts[0].cparts))
+                             block_tokens, c_parts, acc, m, total, tuple(ch for _, _, ch in parts[0].cparts), team)
     for g0 in range(0, 0 if in_place else n, group):  # torch-op blocks: gathered rows, in groups of sequences
         seqs = order[g0 : g0 + group]
         state = (m[g0 : g0 + len(seqs)], total[g0 : g0 + len(seqs)], acc[g0 : g0 + len(seqs)])
@@ -539,6 +546,28 @@ def mla_decode_cpu(
             runner.block(blk)
     o, s = _finish(parts[0], m, total, acc)
     return out.index_copy_(0, index, o), lse.index_copy_(0, index, s)
+
+
+@functools.cache
+def split_threads(threads: int) -> int:
+    """The threads that run a call's sequences when it has fewer live sequences than `threads` (torch's count):
+    `threads`, or 1 where splitting one sequence's blocks across them measures slower on this machine. A one-time
+    probe per process and thread count: one int8-row sequence of 2048 tokens at 16 heads (DeepSeek widths), best of
+    three calls each way. Splitting a sequence costs an OpenMP fork / join per block stage, and on some machines
+    the threads waiting between stages slow the working one (docs/cpu.md has the measurements)."""
+    if threads <= 1 or native.vector_kernels() is None:
+        return max(1, threads)
+    codec = LayerCodec.from_names("int8-row", "int8-row", 512, 64)
+    g = torch.Generator().manual_seed(0)
+    pool = codec.encode(torch.randn(2048, codec.width, generator=g)).view(32, 64, codec.row_bytes)
+    table, lens = torch.arange(32, dtype=torch.int32)[None], torch.tensor([2048], dtype=torch.int32)
+    inputs = DecodeInputs(torch.randn(1, 16, codec.width, generator=g), pool, table, lens, codec, 512)
+    best = {threads: math.inf, 1: math.inf}
+    for team in (threads, 1) * 3:
+        start = time.perf_counter()
+        mla_decode_cpu(inputs, 0.04, threads=team)
+        best[team] = min(best[team], time.perf_counter() - start)
+    return threads if best[threads] <= best[1] else 1
 
 
 def _rows(query, begin: int, end: int):

@@ -306,13 +306,15 @@ class Kernels:
 
     def decode(self, pool: Tensor, pages: list[Tensor], lens: list[int], block_tokens: int,
                parts: list[tuple[Part, int, Tensor, Tensor]], acc: Tensor, m: Tensor, total: Tensor,
-               value_channels: tuple[int, ...] = (0,)) -> None:
+               value_channels: tuple[int, ...] = (0,), threads: int | None = None) -> None:
         """The in-place decode of B sequences whose parts are all integer, in one call (decode_kernels.c,
         mlaq_decode): pool uint8 [blocks, page_rows, row_bytes] contiguous, pages[b] int64 (contiguous) and lens[b]
         > 0 sequence b's pages and tokens, parts (part, byte offset in the row, q8 int8 [B, H, W], qs fp32 [B, H, G],
         contiguous) the c_kv part first; acc fp32 [B, H, W], m, total fp32 [B, H] (contiguous): the online-softmax
         state (running max and sum, set by the first block). value_channels: the first channel in acc of each of
-        the first len(value_channels) parts, the ones P·V reads (a band c_kv: one per stored band)."""
+        the first len(value_channels) parts, the ones P·V reads (a band c_kv: one per stored band). threads: the
+        OpenMP threads (default torch's): at least B of them take whole sequences, fewer split each sequence's
+        blocks."""
         batch, heads = acc.shape[:2]
         page_rows = pool.shape[1]
         if not pool.is_contiguous() or block_tokens % page_rows or len(pages) != batch or min(lens) < 1:
@@ -341,7 +343,8 @@ class Kernels:
                              arr(ctypes.c_void_p, qss), heads,
                              arr(ctypes.c_void_p, [acc.data_ptr() + b * acc.stride(0) * 4 for b in range(batch)]),
                              acc.stride(1), m.data_ptr(), total.data_ptr(), len(value_channels),
-                             arr(ctypes.c_int64, list(value_channels)), torch.get_num_threads())
+                             arr(ctypes.c_int64, list(value_channels)),
+                             torch.get_num_threads() if threads is None else threads)
 
     def exp2(self, x: Tensor, m: float) -> tuple[Tensor, float]:
         """(exp2(x − m) fp32 [n], its sum in the kernels' lane order) for x fp32 [n] (tests)."""
