@@ -338,7 +338,7 @@ class _Group:
                  state: tuple[Tensor, Tensor, Tensor]) -> None:
         """`parts`: `row_parts`, the first holding the d_c values; `queries`: the group's slice of each
         part's `_CpuPart.query` with factor scale · log2(e): the blocks' scores come out in base 2 (`exp2` is
-        ~3x faster than `exp` in torch on CPU), so m is the running max of score · log2(e); `state`: the
+        faster than `exp` in torch on CPU: docs/cpu.md), so m is the running max of score · log2(e); `state`: the
         group's (m, l, acc), set by its first block (every sequence has one) and acc zero before."""
         self.parts, self.q, self.d_c, self.ws = parts, queries, d_c, ws
         self.m, self.l, self.acc = state
@@ -432,8 +432,8 @@ class _Group:
 
     def _dequant_pv(self, acc: Tensor, probs: Tensor, codes: Tensor, s: Tensor, lo: Tensor | None) -> None:
         """acc [a, H, W] += probs [a, H, t] @ (codes · s + lo') for a grouped integer c_kv part (s, lo'
-        [a, t, n_g]): the block dequantized in FP32, one batched FP32 GEMM (per-group integer GEMMs measured
-        ~2x slower than this)."""
+        [a, t, n_g]): the block dequantized in FP32, one batched FP32 GEMM (per-group integer GEMMs ran slower:
+        docs/cpu.md)."""
         p = self.parts[0]
         a, t = codes.shape[:2]
         v = self.ws.take("values", (a, t, p.n_g, p.g), torch.float32).copy_(codes.view(a, t, p.n_g, p.g))

@@ -48,8 +48,8 @@ def _timed_rounds(calls: dict, n: int) -> dict:
     """(median, fastest) seconds of each of `calls` (name → function) over n rounds, each round calling
     every function in turn, so drifts of the machine (other tenants) reach every configuration alike and
     the ratios compare like with like. Each timed call follows an untimed one of the same function: it finds
-    the allocator and the caches as its own previous call left them (measured: right after a reference call,
-    which frees hundreds of MB, the int4 fast path at batch 16 x 4k took 23-33 ms instead of 23-26). The
+    the allocator and the caches as its own previous call left them (right after a reference call, which frees
+    hundreds of MB, a fast-path call runs slower: docs/cpu.md). The
     fastest round is reported beside the median: other tenants only ever add time, so on a shared machine
     it is the closer of the two to the code's own speed."""
     times = {name: [] for name in calls}

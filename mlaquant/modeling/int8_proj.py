@@ -24,8 +24,8 @@ Backends: "torch" sums the INT8 products exactly in FP64, batched over heads; "c
 int8 x int8 -> int32 GEMMs, exact as long as K · 127² < 2^31 (K ≤ 133 144; longer rows fall back to the FP64
 sums), so its results are bit-identical to "torch": activation codes, every head's sums and the epilogue in
 one call of the C kernels (`mlaquant.attention.native` `w8a8`: avx2 madd, or VNNI) where a vector ISA variant is built,
-else `torch._int_mm` per head where torch's int8 GEMM has VNNI (without it ~10x slower than an FP32 GEMM,
-issue 29), else the FP64 sums; "triton" runs every head in one launch (`int8_gemm_grouped`; CUDA, or CPU
+else `torch._int_mm` per head where torch's int8 GEMM has VNNI (without it slower than an FP32 GEMM:
+docs/cpu.md), else the FP64 sums; "triton" runs every head in one launch (`int8_gemm_grouped`; CUDA, or CPU
 under TRITON_INTERPRET=1); "auto" picks triton on CUDA and cpu on CPU.
 """
 
