@@ -174,10 +174,14 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """`mlaquant.kernels.mla_decode.mla_decode`: on CUDA, or on CPU under TRITON_INTERPRET=1 (never chosen by
-    "auto" there), for the codecs the kernel reads (its `supports`)."""
+    """The Triton kernel of `op` (a key of KERNELS; the decode op `mlaquant.kernels.mla_decode.mla_decode` by
+    default): on CUDA, or on CPU under TRITON_INTERPRET=1 (never chosen by "auto" there); the decode kernel for the
+    codecs it reads (its `supports`)."""
 
     name = Backend.TRITON
+
+    def __init__(self, op: str = "mla_decode") -> None:
+        self.op = op
 
     def supports(self, codec: LayerCodec | None, device: torch.device, seq_lens: Tensor | None = None) -> str | None:
         if device.type == "cpu" and not _triton_interpret():
@@ -185,12 +189,12 @@ class TritonBackend:
         if device.type not in ("cpu", "cuda"):
             return f"backend 'triton' does not run on device '{device.type}' (use backend 'torch')"
         try:
-            load_kernel("mla_decode")
+            load_kernel(self.op)
         except BackendError as e:
             return str(e)
         if codec is None:
             return None
-        return importlib.import_module(KERNELS["mla_decode"][0]).supports(codec, on_gpu=device.type == "cuda")
+        return importlib.import_module(KERNELS[self.op][0]).supports(codec, on_gpu=device.type == "cuda")
 
     def run(self, inputs: DecodeInputs, scale: float, scratch: Buffers | None = None) -> tuple[Tensor, Tensor]:
         i = inputs
@@ -226,12 +230,14 @@ BACKENDS = {Backend.TORCH: TorchBackend(), Backend.TRITON: TritonBackend(), Back
 AUTO_ORDER = {"cuda": (TritonBackend(), TorchBackend()), "cpu": (CpuBackend(auto=True), TorchBackend())}
 
 
-def check_backend(backend: str | Backend, device: torch.device | str) -> Backend:
-    """`backend` parsed, checked once (a session does it at construction): an explicit backend that cannot run on
-    `device` → BackendError with the reason; "auto" always passes (it chooses per call)."""
+def check_backend(backend: str | Backend, device: torch.device | str, op: str = "mla_decode") -> Backend:
+    """`backend` parsed, checked once for `op` (a key of KERNELS; a session does it at construction): an explicit
+    backend that cannot run on `device` → BackendError with the reason; "auto" always passes (it chooses per
+    call)."""
     backend = Backend.parse(backend)
     if backend is not Backend.AUTO:
-        reason = BACKENDS[backend].supports(None, torch.device(device))
+        impl = TritonBackend(op) if backend is Backend.TRITON else BACKENDS[backend]
+        reason = impl.supports(None, torch.device(device))
         if reason is not None:
             raise BackendError(reason)
     return backend
@@ -257,17 +263,11 @@ def resolve_backend(backend: str | Backend, device: torch.device | str, op: str 
     """The backend that runs `op` (a key of KERNELS) on tensors on `device`: an explicit one checked (BackendError
     when it cannot run there), "auto" → triton on CUDA where the op's kernel imports (else torch), cpu on CPU,
     torch elsewhere. The decode op goes further per call (`choose_backend`)."""
-    backend, device = check_backend(backend, device), torch.device(device)
-    if backend is Backend.TRITON:
-        load_kernel(op)
+    backend, device = check_backend(backend, device, op), torch.device(device)
     if backend is not Backend.AUTO:
         return backend
     if device.type == "cpu":
         return Backend.CPU
-    if device.type == "cuda":
-        try:
-            load_kernel(op)
-        except BackendError:
-            return Backend.TORCH
+    if device.type == "cuda" and TritonBackend(op).supports(None, device) is None:
         return Backend.TRITON
     return Backend.TORCH

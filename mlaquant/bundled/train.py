@@ -512,11 +512,12 @@ def new_record(
     cfg: TrainConfig, command: str | None, model, corpus: Corpus, data: TrainData, init_from: Path | None
 ) -> dict:
     """The training record (training.json) as known before the first step."""
+    versions = library_versions()
     return {
         "config": to_dict(cfg),
         "command": command,
-        "python_version": library_versions()["python"],
-        "torch_version": library_versions()["torch"],
+        "python_version": versions["python"],
+        "torch_version": versions["torch"],
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": data.tokenizer.get_vocab_size(),
         "train_files": len(corpus.splits["train"]),
