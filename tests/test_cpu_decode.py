@@ -270,6 +270,26 @@ def test_reused_buffers_give_the_same_result_across_shapes_and_threads():
     assert all(torch.equal(a, b) for a, b in zip(got["s"], run(small)))
 
 
+def test_the_first_call_that_probes_the_threads_keeps_its_own_buffers(monkeypatch):
+    """The split-threads probe runs a decode of its own inside the first call with fewer sequences than threads. At
+    the probe's shapes (16 heads, d_c 512) its accumulator is that call's buffer, so the probe must run before the
+    call takes any: run after, it left its sums in the first call's output."""
+    from mlaquant.attention import cpu_decode
+
+    if native.vector_kernels() is None:
+        pytest.skip("no vector ISA variant of the C kernels builds here")
+    codec = LayerCodec.from_names("int8-row", "int8-row", 512, 64)
+    g = torch.Generator().manual_seed(3)
+    pool = codec.encode(torch.randn(5 * 64, codec.width, generator=g)).view(5, 64, codec.row_bytes)
+    table, lens = torch.arange(5, dtype=torch.int32)[None], torch.tensor([300], dtype=torch.int32)
+    inputs = DecodeInputs(torch.randn(1, 16, codec.width, generator=g), pool, table, lens, codec, 512)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # one sequence, two threads: the probe's case
+    cpu_decode.split_threads.cache_clear()
+    first = mla_decode_cpu(inputs, SCALE)  # probes
+    cpu_decode.split_threads.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(first, mla_decode_cpu(inputs, SCALE, threads=1)))
+
+
 def test_split_threads_follows_the_probe_and_never_changes_the_outputs(monkeypatch):
     """Fewer live sequences than threads: the C decode splits them across torch's threads only where the one-time
     probe measured that faster; either way the outputs are the same bits."""

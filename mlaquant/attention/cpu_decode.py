@@ -528,14 +528,16 @@ def mla_decode_cpu(
     index = torch.tensor(order, dtype=torch.long, device=q.device)
     x = q.float().index_select(0, index).split([p.rc.width for p in parts], dim=-1)
     queries = [p.query(xp, scale * LOG2E) for p, xp in zip(parts, x)]
-    ws, n = _workspace(), len(order)
+    n = len(order)
+    if in_place and n:  # before any shared buffer is taken: the first call's probe runs a decode of its own
+        team = torch.get_num_threads()
+        team = team if n >= team else split_threads(team) if threads is None else threads
+    ws = _workspace()
     m, total = torch.empty(n, heads, device=q.device), torch.empty(n, heads, device=q.device)
     acc = ws.take("acc", (n, heads, d_c), torch.float32).zero_()  # a reused buffer: no fresh pages to fault in
     if in_place and n:
         block_tokens = max(pool.shape[1], block_tokens // pool.shape[1] * pool.shape[1])
         c_parts = [arg for p, qp in zip(parts, queries) for arg in p.c_args(qp)]
-        team = torch.get_num_threads()
-        team = team if n >= team else split_threads(team) if threads is None else threads
         parts[0].kern.decode(pool, [torch.tensor(pages[b], dtype=torch.int64) for b in order], [lens[b] for b in order],
                              block_tokens, c_parts, acc, m, total, tuple(ch for _, _, ch in parts[0].cparts), team)
     for g0 in range(0, 0 if in_place else n, group):  # torch-op blocks: gathered rows, in groups of sequences
