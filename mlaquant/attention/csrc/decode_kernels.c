@@ -931,13 +931,22 @@ INLINE __m128i slab_codes(const part_t *p, const uint8_t *row, int64_t c0, int64
     return p->kind == I8_ASYM ? _mm_xor_si128(x, _mm_set1_epi8((char)0x80)) : x;
 }
 
-/* B[i] = 16 channels x (token 2i, token 2i + 1) as int16 pairs, channels 0..7 then 8..15. */
-static void pack_slab(const part_t *p, const uint8_t *const *rows, int64_t nc, int64_t c0, int64_t w, int16_t *B) {
+/* Bs[(sl - s0) * slab_ld + 32 i ..] = slab sl's 16 channels x (token 2i, token 2i + 1) as int16 pairs, channels
+ * 0..7 then 8..15, for the slabs [s0, s1) of nc rows: row pair by row pair, each row read once front to back
+ * (packed slab by slab, every slab's pass over the rows waited on their loads again: docs/cpu.md). */
+static void pack_slabs(const part_t *p, const uint8_t *const *rows, int64_t nc, int64_t s0, int64_t s1,
+                       int64_t slab_ld, int16_t *Bs) {
+    const int64_t per_group = (p->gs + SLAB - 1) / SLAB;
     for (int64_t i = 0; 2 * i < nc; i++) {
-        __m128i x0 = slab_codes(p, rows[2 * i], c0, w);
-        __m128i x1 = 2 * i + 1 < nc ? slab_codes(p, rows[2 * i + 1], c0, w) : _mm_setzero_si128();
-        _mm256_store_si256((__m256i *)(B + 32 * i), _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x0, x1)));
-        _mm256_store_si256((__m256i *)(B + 32 * i + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x0, x1)));
+        const uint8_t *r0 = rows[2 * i], *r1 = 2 * i + 1 < nc ? rows[2 * i + 1] : NULL;
+        for (int64_t sl = s0; sl < s1; sl++) {
+            int64_t g = sl / per_group, c0 = g * p->gs + (sl % per_group) * SLAB;
+            int64_t w = (g + 1) * p->gs - c0 < SLAB ? (g + 1) * p->gs - c0 : SLAB;
+            __m128i x0 = slab_codes(p, r0, c0, w), x1 = r1 ? slab_codes(p, r1, c0, w) : _mm_setzero_si128();
+            int16_t *B = Bs + (sl - s0) * slab_ld + 32 * i;
+            _mm256_store_si256((__m256i *)B, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x0, x1)));
+            _mm256_store_si256((__m256i *)(B + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x0, x1)));
+        }
     }
 }
 
@@ -1008,26 +1017,33 @@ INLINE void pv_tile(const int16_t *B, int64_t npairs, const int32_t *P, int64_t 
 #endif
 
 /* S[h][(sl - s0) * SLAB + c] = sum_t P[g][h][t] * c'[t][c] over the channels of slabs [s0, s1) (each inside one
- * group), S [heads][(s1 - s0) * SLAB]; chunk by chunk, so a chunk's rows stay in cache across the slabs. */
+ * group), S [heads][(s1 - s0) * SLAB]; chunk by chunk: the chunk's codes packed once into B ((s1 - s0) slabs of
+ * PV_CHUNK / 2 pairs, `pack_slabs`), then each slab's MACs. */
 static void pv_slabs(const part_t *p, const uint8_t *const *rows, int64_t n, const int32_t *P, int64_t npad,
                      int64_t heads, double *S, int64_t s0, int64_t s1, int16_t *B) {
     int64_t per_group = (p->gs + SLAB - 1) / SLAB, ldS = (s1 - s0) * SLAB;
     for (int64_t i = 0; i < heads * ldS; i++) S[i] = 0.0;
+#if VECTOR
+    const int64_t slab_ld = PV_CHUNK / 2 * 32;
+#endif
     for (int64_t t0 = 0; t0 < n; t0 += PV_CHUNK) {
         int64_t nc = n - t0 < PV_CHUNK ? n - t0 : PV_CHUNK;
+#if VECTOR
+        pack_slabs(p, rows + t0, nc, s0, s1, slab_ld, B);
+#endif
         for (int64_t sl = s0; sl < s1; sl++) {
             int64_t g = sl / per_group, c0 = g * p->gs + (sl % per_group) * SLAB;
             int64_t w = (g + 1) * p->gs - c0 < SLAB ? (g + 1) * p->gs - c0 : SLAB;
             const int32_t *Pg = P + (g * npad / 2 + t0 / 2) * heads; /* [pair][head] */
             double *Ss = S + (sl - s0) * SLAB;
 #if VECTOR
-            pack_slab(p, rows + t0, nc, c0, w, B);
+            const int16_t *Bs = B + (sl - s0) * slab_ld;
             for (int64_t h = 0; h < heads; h += PV_MT) {
                 int mt = heads - h < PV_MT ? (int)(heads - h) : PV_MT;
-                if (mt == PV_MT) pv_tile(B, (nc + 1) / 2, Pg + h, heads, PV_MT, Ss + h * ldS, ldS, w);
+                if (mt == PV_MT) pv_tile(Bs, (nc + 1) / 2, Pg + h, heads, PV_MT, Ss + h * ldS, ldS, w);
                 else
                     for (int mi = 0; mi < mt; mi++)
-                        pv_tile(B, (nc + 1) / 2, Pg + h + mi, heads, 1, Ss + (h + mi) * ldS, ldS, w);
+                        pv_tile(Bs, (nc + 1) / 2, Pg + h + mi, heads, 1, Ss + (h + mi) * ldS, ldS, w);
             }
 #else
             (void)B;
@@ -1104,7 +1120,7 @@ static void pv_part(const part_t *p, const uint8_t *const *rows, int64_t n, cons
         if (s1 > s0) {
             int64_t ldS = (s1 - s0) * SLAB;
             double *S = scratch(SC_S64, (size_t)(heads * ldS) * 8);
-            int16_t *B = scratch(SC_SLAB, (size_t)(PV_CHUNK / 2) * 32 * 2);
+            int16_t *B = scratch(SC_SLAB, (size_t)((s1 - s0) * (PV_CHUNK / 2) * 32) * 2);
             pv_slabs(p, rows, n, P, npad, heads, S, s0, s1, B);
             for (int64_t sl = s0; sl < s1; sl++) {
                 int64_t g = sl / per_group, c0 = g * p->gs + (sl % per_group) * SLAB;
