@@ -528,10 +528,9 @@ def mla_decode_cpu(
     index = torch.tensor(order, dtype=torch.long, device=q.device)
     x = q.float().index_select(0, index).split([p.rc.width for p in parts], dim=-1)
     queries = [p.query(xp, scale * LOG2E) for p, xp in zip(parts, x)]
-    n = len(order)
-    if in_place and n:  # before any shared buffer is taken: the first call's probe runs a decode of its own
-        team = torch.get_num_threads()
-        team = team if n >= team else split_threads(team) if threads is None else threads
+    n, team = len(order), torch.get_num_threads()
+    if in_place and 0 < n < team:  # before any shared buffer is taken: the first call's probe runs a decode of its own
+        team = split_threads(team) if threads is None else threads
     ws = _workspace()
     m, total = torch.empty(n, heads, device=q.device), torch.empty(n, heads, device=q.device)
     acc = ws.take("acc", (n, heads, d_c), torch.float32).zero_()  # a reused buffer: no fresh pages to fault in

@@ -913,6 +913,15 @@ static float exp2_row(const float *x, float m, int64_t n, float *p) {
 /* p = exp2(x - m) elementwise (tests: the kernels' exp2 against torch's). */
 void mlaq_exp2(const float *x, int64_t n, float m, float *p, float *sum) { *sum = exp2_row(x, m, n, p); }
 
+/* P.V slab sl of a part (SLAB channels, slabs numbered group by group): its group (returned), first channel *c0
+ * and width *w (SLAB, or less at the end of a group). */
+static inline int64_t slab_span(const part_t *p, int64_t sl, int64_t *c0, int64_t *w) {
+    const int64_t per_group = (p->gs + SLAB - 1) / SLAB, g = sl / per_group;
+    *c0 = g * p->gs + (sl % per_group) * SLAB;
+    *w = (g + 1) * p->gs - *c0 < SLAB ? (g + 1) * p->gs - *c0 : SLAB;
+    return g;
+}
+
 #if VECTOR
 /* The slab's 16 codes c' of one row as int8 (channels c0.., w <= 16 valid; the rest are never stored). */
 INLINE __m128i slab_codes(const part_t *p, const uint8_t *row, int64_t c0, int64_t w) {
@@ -936,13 +945,14 @@ INLINE __m128i slab_codes(const part_t *p, const uint8_t *row, int64_t c0, int64
  * (packed slab by slab, every slab's pass over the rows waited on their loads again: docs/cpu.md). */
 static void pack_slabs(const part_t *p, const uint8_t *const *rows, int64_t nc, int64_t s0, int64_t s1,
                        int64_t slab_ld, int16_t *Bs) {
-    const int64_t per_group = (p->gs + SLAB - 1) / SLAB;
+    int64_t c0[s1 - s0], w[s1 - s0]; /* the slabs' spans, once per chunk (not per row pair) */
+    for (int64_t sl = s0; sl < s1; sl++) slab_span(p, sl, &c0[sl - s0], &w[sl - s0]);
     for (int64_t i = 0; 2 * i < nc; i++) {
         const uint8_t *r0 = rows[2 * i], *r1 = 2 * i + 1 < nc ? rows[2 * i + 1] : NULL;
         for (int64_t sl = s0; sl < s1; sl++) {
-            int64_t g = sl / per_group, c0 = g * p->gs + (sl % per_group) * SLAB;
-            int64_t w = (g + 1) * p->gs - c0 < SLAB ? (g + 1) * p->gs - c0 : SLAB;
-            __m128i x0 = slab_codes(p, r0, c0, w), x1 = r1 ? slab_codes(p, r1, c0, w) : _mm_setzero_si128();
+            int64_t k = sl - s0;
+            __m128i x0 = slab_codes(p, r0, c0[k], w[k]);
+            __m128i x1 = r1 ? slab_codes(p, r1, c0[k], w[k]) : _mm_setzero_si128();
             int16_t *B = Bs + (sl - s0) * slab_ld + 32 * i;
             _mm256_store_si256((__m256i *)B, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x0, x1)));
             _mm256_store_si256((__m256i *)(B + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x0, x1)));
@@ -1021,7 +1031,7 @@ INLINE void pv_tile(const int16_t *B, int64_t npairs, const int32_t *P, int64_t 
  * PV_CHUNK / 2 pairs, `pack_slabs`), then each slab's MACs. */
 static void pv_slabs(const part_t *p, const uint8_t *const *rows, int64_t n, const int32_t *P, int64_t npad,
                      int64_t heads, double *S, int64_t s0, int64_t s1, int16_t *B) {
-    int64_t per_group = (p->gs + SLAB - 1) / SLAB, ldS = (s1 - s0) * SLAB;
+    int64_t ldS = (s1 - s0) * SLAB;
     for (int64_t i = 0; i < heads * ldS; i++) S[i] = 0.0;
 #if VECTOR
     const int64_t slab_ld = PV_CHUNK / 2 * 32;
@@ -1032,8 +1042,7 @@ static void pv_slabs(const part_t *p, const uint8_t *const *rows, int64_t n, con
         pack_slabs(p, rows + t0, nc, s0, s1, slab_ld, B);
 #endif
         for (int64_t sl = s0; sl < s1; sl++) {
-            int64_t g = sl / per_group, c0 = g * p->gs + (sl % per_group) * SLAB;
-            int64_t w = (g + 1) * p->gs - c0 < SLAB ? (g + 1) * p->gs - c0 : SLAB;
+            int64_t c0, w, g = slab_span(p, sl, &c0, &w);
             const int32_t *Pg = P + (g * npad / 2 + t0 / 2) * heads; /* [pair][head] */
             double *Ss = S + (sl - s0) * SLAB;
 #if VECTOR
@@ -1123,8 +1132,7 @@ static void pv_part(const part_t *p, const uint8_t *const *rows, int64_t n, cons
             int16_t *B = scratch(SC_SLAB, (size_t)((s1 - s0) * (PV_CHUNK / 2) * 32) * 2);
             pv_slabs(p, rows, n, P, npad, heads, S, s0, s1, B);
             for (int64_t sl = s0; sl < s1; sl++) {
-                int64_t g = sl / per_group, c0 = g * p->gs + (sl % per_group) * SLAB;
-                int64_t w = (g + 1) * p->gs - c0 < SLAB ? (g + 1) * p->gs - c0 : SLAB;
+                int64_t c0, w, g = slab_span(p, sl, &c0, &w);
                 for (int64_t h = 0; h < heads; h++)
                     for (int64_t c = 0; c < w; c++) {
                         float v = (float)(m_over[g] * S[h * ldS + (sl - s0) * SLAB + c]);
