@@ -30,7 +30,9 @@
  * unsigned nibbles (at most 2 * 15 * 128 per pair, no saturation); the VNNI forms run vpdpbusd on u8 codes (int8:
  * the byte XOR 0x80, then -128 * sum a) and vpdpwssd for P.V (avx512vnni: zmm, P as an embedded broadcast, 16 heads
  * per B load; its VNNI instructions as inline asm, which keeps accumulators in registers where GCC 12 copies them
- * around the builtins). Hot loops are small non-inlined functions specialized by code kind and tile shape.
+ * around the builtins). avx2 scores of short parts (bands, k_pe, small groups) run token-lane: the rows packed with
+ * the tokens across a vector's lanes, so no horizontal reduction (the comment above `token_lanes`). Hot loops are small
+ * non-inlined functions specialized by code kind and tile shape.
  * Threads: OpenMP, `threads` of them (the runtime torch uses). */
 #include <math.h>
 #include <stdint.h>
@@ -95,6 +97,7 @@ static inline __attribute__((always_inline)) __m512i dpwssd_z_bcast(__m512i acc,
 #ifndef PV_CHUNK
 #define PV_CHUNK 256 /* tokens per INT32 P.V sum: 256 * 32767 * 128 < 2^31 */
 #endif
+#define TB 16      /* rows per avx2 token-lane scores block: two vectors of 8 */
 #define QCHUNK 128 /* tokens per probability-quantization chunk (even): its [pair][head] block stays in L1 */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -336,6 +339,25 @@ INLINE __m256i hsum8(const __m256i *v) { /* the 8 sums of v[0..7] */
     __m256i s45 = _mm256_hadd_epi32(v[4], v[5]), s67 = _mm256_hadd_epi32(v[6], v[7]);
     __m256i a = _mm256_hadd_epi32(s01, s23), b = _mm256_hadd_epi32(s45, s67);
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* The 8 x 8 transpose of r's 32-bit words: r[i] word j -> r[j] word i. */
+INLINE void transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) { /* u[4i + j]: rows 4i..4i + 3 of words j | j + 4 */
+        u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+        r[4 + j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+    }
 }
 
 /* acc[mi][ni] += the (uncorrected) dots of chunk j (w channels) of code rows r[ni] with A rows am + mi * astep. */
@@ -688,60 +710,243 @@ typedef struct {
     dotter_t d;
     const float *qs;
     float *qlo;
+    uint8_t *lanes_q;    /* avx2 token-lane query words: q8 [heads][width] (sub-byte kinds) or int16 (int8 kinds) */
+    int32_t *lanes_corr; /* [heads][G]: BIAS * sum of the group's q8 (the stored codes' offset), else 0 */
 } scored_t;
 
-/* v (+)= sum over the parts, in order, of sum_g (qs[h][g] * s[t][g]) * dot + (asym) qlo[h][g] * zp[t][g], for the
- * tokens [t0, t0 + nt) of one tile; dbuf[k], sT[k], zT[k] are part k's dots [G][heads][TT] and params [G][TT]. */
-static void scores_tile(const scored_t *parts, int nparts, const uint8_t *base, const int64_t *pages,
-                        int64_t page_rows, int64_t stride, int64_t t0, int64_t nt, int64_t heads, float *out,
-                        int64_t ldo, int accumulate, int32_t **dbuf, float **sT, float **zT) {
-    const uint8_t *rows[TT], *prow[TT];
-    rows_from(base, pages, page_rows, stride, t0, nt, rows);
-    for (int k = 0; k < nparts; k++) {
-        const part_t *p = &parts[k].p;
-        for (int64_t tt = 0; tt < nt; tt++) {
-            prow[tt] = rows[tt] + parts[k].offset;
-            load_params(p, prow[tt], sT[k] + tt, zT[k] + tt, TT);
+#if MLAQ_ISA == MLAQ_AVX2
+/* Token-lane scores (avx2). The dots of `dots_rows` leave every (head, row) sum across the lanes of a vector, and
+ * their horizontal reduction costs as much as a 64-channel part's MACs: the bands of a band codec and k_pe paid it
+ * once per 2-4 chunks. Here a block of TB rows is packed once, for every head, into words of 4 codes (sub-byte kinds,
+ * unsigned as stored) or 2 codes (int8 kinds, c' as int16) with the tokens across the lanes: B[word][token]. A
+ * head's query word (its 4 int8 / 2 int16 channels) broadcast against a vector of B gives 8 tokens' partial dots in
+ * 8 lanes, so the sums come out token-wise with no reduction, and the FP32 epilogue runs on them straight from the
+ * registers' store, in `scores_tile`'s order: the same integers, the same FP32 operations, the same bits. */
+
+/* Whether part p runs token-lane: its groups whole words (4 channels sub-byte, 2 int8) and short enough that
+ * `dots_rows`' reduction is not amortized over its chunks: sub-byte groups of at most LANES_MAX channels (bands,
+ * k_pe, g32 / g64 groups), int8 parts at most LANES_MAX wide (a grouped int8 c_kv measured even either way, and a
+ * wide row-wise part, sub-byte or int8, faster in `dots_rows`: A / B in docs/cpu.md). */
+#define LANES_MAX 128
+static int token_lanes(const part_t *p) {
+    if (p->kind == U8_CODES || p->gs % (SUB_BYTE(p->kind) ? 4 : 2)) return 0;
+    return SUB_BYTE(p->kind) ? p->gs <= LANES_MAX : p->width <= LANES_MAX;
+}
+
+/* Channels 32j .. 32j + w - 1 (w <= 32, zeros after) of a row's codes as words: sub-byte kinds 8 words of 4 unsigned
+ * codes in channel order (w[0]); int8 kinds c' as 16 words of 2 int16 (w[0] channels 0..15, w[1] 16..31). */
+INLINE void row_words(const int kind, const uint8_t *row, int64_t j, int64_t w, __m256i words[2]) {
+    if (IS_INT4(kind)) {
+        __m128i x = load16(row + 16 * j, (w + 1) / 2), m = _mm_set1_epi8(15);
+        __m128i lo = _mm_and_si128(x, m), hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+        words[0] = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+    } else if (SUB_BYTE(kind)) {
+        words[0] = stream_codes(row + j * CH * BITS(kind) / 8, w, BITS(kind));
+    } else {
+        __m128i a = load16(row + 32 * j, w < 16 ? w : 16), b = w > 16 ? load16(row + 32 * j + 16, w - 16) : _mm_setzero_si128();
+        if (kind == I8_ASYM) {
+            a = _mm_xor_si128(a, _mm_set1_epi8((char)0x80));
+            b = _mm_xor_si128(b, _mm_set1_epi8((char)0x80));
         }
-        for (int64_t tt = 0; tt < nt; tt += DOT_NT) {
-            int n = nt - tt < DOT_NT ? (int)(nt - tt) : DOT_NT;
-            dots_rows(&parts[k].d, prow + tt, n, dbuf[k] + tt, heads * TT, TT);
+        words[0] = _mm256_cvtepi8_epi16(a);
+        words[1] = _mm256_cvtepi8_epi16(b);
+    }
+}
+
+/* B[word * TB + i] = word `word` of row i < nr (zeros for nr <= i < TB), every word of the part's codes; one
+ * function per kind (the loads' branches fold away, the 8 rows' words stay in registers). */
+INLINE void pack_lanes(const part_t *p, const int kind, const uint8_t *const *rows, int nr, int32_t *B) {
+    const int per = SUB_BYTE(kind) ? 1 : 2; /* vectors of 8 words per 32-channel chunk */
+    for (int64_t j = 0; 32 * j < p->width; j++) {
+        int64_t w = p->width - 32 * j < 32 ? p->width - 32 * j : 32;
+        for (int half = 0; half < TB / 8; half++) {
+            __m256i v[2][8];
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {
+                v[0][i] = v[1][i] = _mm256_setzero_si256();
+                if (8 * half + i < nr) {
+                    __m256i x[2];
+                    row_words(kind, rows[8 * half + i], j, w, x);
+                    v[0][i] = x[0];
+                    if (per == 2) v[1][i] = x[1];
+                }
+            }
+            for (int k = 0; k < per; k++) {
+                transpose8(v[k]);
+                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++)
+                    _mm256_store_si256((__m256i *)(B + ((j * per + k) * 8 + i) * TB + 8 * half), v[k][i]);
+            }
         }
     }
+}
+#define PACK_FN(KIND)                                                                                             \
+    static __attribute__((noinline)) void pack_##KIND(const part_t *p, const uint8_t *const *rows, int nr,        \
+                                                       int32_t *B) {                                              \
+        pack_lanes(p, KIND, rows, nr, B);                                                                         \
+    }
+PACK_FN(I8_SYM)
+PACK_FN(I8_ASYM)
+PACK_FN(I4_SYM)
+PACK_FN(I3_SYM)
+PACK_FN(I2_SYM)
+static void pack_token_lanes(const part_t *p, const uint8_t *const *rows, int nr, int32_t *B) {
+    switch (p->kind) {
+    case I8_SYM: pack_I8_SYM(p, rows, nr, B); break;
+    case I8_ASYM: pack_I8_ASYM(p, rows, nr, B); break;
+    case I3_SYM: pack_I3_SYM(p, rows, nr, B); break;
+    case I2_SYM: pack_I2_SYM(p, rows, nr, B); break;
+    default: pack_I4_SYM(p, rows, nr, B); /* int4 sym and asym: the same unsigned nibbles */
+    }
+}
+
+/* out[mi * TB + i] = sum over words [c0, c1) of B[word * TB + i] . the query word of head mi (qw + mi * ldq bytes,
+ * word c at byte 4c), for the 8 tokens i of B's vector (B points at it) and MT heads. Sub-byte codes (u <= 15):
+ * maddubs pairs (|.| <= 2 * 15 * 128) summed in int16 over runs of `run` words (run * 2 * umax * 128 <= 32768: no
+ * overflow), then one madd by ones into the INT32 sums; int8 pairs: madd straight into INT32. One vector of tokens
+ * per pass keeps the MT sums, B's word and the query words in registers (two vectors spilled a sum). */
+#define LANE_FN(NAME, SUB, MT)                                                                                    \
+    static __attribute__((noinline)) void NAME(const int32_t *B, int64_t c0, int64_t c1, const uint8_t *qw,       \
+                                               int64_t ldq, int64_t run, int32_t *out) {                          \
+        __m256i acc[MT], sum[MT];                                                                                 \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                \
+        _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++) acc[mi] = sum[mi] = _mm256_setzero_si256();      \
+        for (int64_t r0 = c0; r0 < c1; r0 += run) {                                                               \
+            int64_t r1 = c1 - r0 < run ? c1 : r0 + run;                                                           \
+            for (int64_t c = r0; c < r1; c++) {                                                                   \
+                __m256i b = _mm256_load_si256((const __m256i *)(B + c * TB));                                    \
+                _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++) {                                         \
+                    int32_t word;                                                                                 \
+                    memcpy(&word, qw + mi * ldq + 4 * c, 4);                                                      \
+                    __m256i q = _mm256_set1_epi32(word);                                                          \
+                    if (SUB) acc[mi] = _mm256_add_epi16(acc[mi], _mm256_maddubs_epi16(b, q));                     \
+                    else acc[mi] = _mm256_add_epi32(acc[mi], _mm256_madd_epi16(b, q));                            \
+                }                                                                                                 \
+            }                                                                                                     \
+            if (SUB) _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++) {                                    \
+                    sum[mi] = _mm256_add_epi32(sum[mi], _mm256_madd_epi16(acc[mi], ones));                        \
+                    acc[mi] = _mm256_setzero_si256();                                                             \
+                }                                                                                                 \
+        }                                                                                                         \
+        _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++)                                                   \
+            _mm256_storeu_si256((__m256i *)(out + mi * TB), SUB ? sum[mi] : acc[mi]);                             \
+    }
+LANE_FN(lanes_sub_4, 1, 4)
+LANE_FN(lanes_sub_1, 1, 1)
+LANE_FN(lanes_i8_4, 0, 4)
+LANE_FN(lanes_i8_1, 0, 1)
+
+/* Lanes < n of an 8-lane mask. */
+INLINE __m256i lane_mask(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* Part sp's share of `scores_tile` token-lane (comment above): rows[0..nt) the tile's rows, s / z its params
+ * [G][TT], first: the part starts the sums (no out read), B a TB-row buffer of the part's words. */
+static void part_lanes(const scored_t *sp, const uint8_t *const *rows, int64_t t0, int64_t nt, int64_t heads,
+                       float *out, int64_t ldo, int first, const float *s, const float *z, int32_t *B) {
+    const uint8_t *prow[TB];
+    int32_t dots[4 * TB];
+    const part_t *p = &sp->p;
+    const int sub = SUB_BYTE(p->kind), wpg = p->gs / (sub ? 4 : 2); /* words per group */
+    const int64_t G = p->groups, ldq = p->width * (sub ? 1 : 2);
+    const int64_t run = BITS(p->kind) == 4 ? 8 : BITS(p->kind) == 3 ? 16 : 32; /* int16 sums: see LANE_FN */
+    for (int64_t tb = 0; tb < nt; tb += TB) {
+        int nr = nt - tb < TB ? (int)(nt - tb) : TB;
+        for (int i = 0; i < nr; i++) prow[i] = rows[tb + i] + sp->offset;
+        pack_token_lanes(p, prow, nr, B);
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t h0 = 0; h0 < heads; h0 += 4) {
+                int mt = heads - h0 < 4 ? (int)(heads - h0) : 4;
+                const uint8_t *qw = sp->lanes_q + h0 * ldq;
+                for (int v = 0; 8 * v < nr; v++) {
+                    if (mt == 4) (sub ? lanes_sub_4 : lanes_i8_4)(B + 8 * v, g * wpg, (g + 1) * wpg, qw, ldq, run, dots + 8 * v);
+                    else
+                        for (int mi = 0; mi < mt; mi++)
+                            (sub ? lanes_sub_1 : lanes_i8_1)(B + 8 * v, g * wpg, (g + 1) * wpg, qw + mi * ldq, ldq, run,
+                                                             dots + mi * TB + 8 * v);
+                }
+                for (int mi = 0; mi < mt; mi++) {
+                    int64_t h = h0 + mi;
+                    const __m256 qsv = _mm256_set1_ps(sp->qs[h * G + g]), qlov = _mm256_set1_ps(sp->qlo[h * G + g]);
+                    const __m256i corr = _mm256_set1_epi32(sp->lanes_corr[h * G + g]);
+                    for (int v = 0; 8 * v < nr; v++) {
+                        int64_t tt = tb + 8 * v;
+                        float *o = out + h * ldo + t0 + tt;
+                        const int full = nr - 8 * v >= 8; /* else the tile's last tokens: masked (slow on AMD) */
+                        __m256i mask = lane_mask(nr - 8 * v);
+                        __m256i di = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(dots + mi * TB + 8 * v)), corr);
+                        __m256 x = first && g == 0 ? _mm256_setzero_ps() : full ? _mm256_loadu_ps(o) : _mm256_maskload_ps(o, mask);
+                        x = _mm256_add_ps(x, _mm256_mul_ps(_mm256_mul_ps(qsv, _mm256_loadu_ps(s + g * TT + tt)),
+                                                           _mm256_cvtepi32_ps(di)));
+                        if (IS_ASYM(p->kind)) x = _mm256_add_ps(x, _mm256_mul_ps(qlov, _mm256_loadu_ps(z + g * TT + tt)));
+                        if (full) _mm256_storeu_ps(o, x);
+                        else _mm256_maskstore_ps(o, mask, x);
+                    }
+                }
+            }
+    }
+}
+#endif
+
+/* Part k's FP32 sums of `scores_tile` from its INT32 dots dbuf [G][heads][TT]: per head and token, v = (first ? 0 :
+ * out), v += (qs[h][g] * s[t][g]) * dot (+ (asym) qlo[h][g] * zp[t][g]) group by group, out = v. */
+static void part_epilogue(const scored_t *sp, const int32_t *dbuf, const float *s, const float *z, int64_t t0,
+                          int64_t nt, int64_t heads, float *out, int64_t ldo, int first) {
+    const int64_t G = sp->p.groups;
+    const float *qs = sp->qs, *qlo = sp->qlo;
     for (int64_t h = 0; h < heads; h++) {
         float *o = out + h * ldo + t0;
         int64_t tt = 0;
 #if VECTOR
         for (; tt + 8 <= nt; tt += 8) {
-            __m256 v = accumulate ? _mm256_loadu_ps(o + tt) : _mm256_setzero_ps();
-            for (int k = 0; k < nparts; k++) {
-                const int64_t G = parts[k].p.groups;
-                const float *qs = parts[k].qs, *qlo = parts[k].qlo;
-                for (int64_t g = 0; g < G; g++) {
-                    __m256i di = _mm256_loadu_si256((const __m256i *)(dbuf[k] + (g * heads + h) * TT + tt));
-                    __m256 sv = _mm256_loadu_ps(sT[k] + g * TT + tt);
-                    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(qs[h * G + g]), sv),
-                                                       _mm256_cvtepi32_ps(di)));
-                    if (IS_ASYM(parts[k].p.kind))
-                        v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(qlo[h * G + g]),
-                                                           _mm256_loadu_ps(zT[k] + g * TT + tt)));
-                }
+            __m256 v = first ? _mm256_setzero_ps() : _mm256_loadu_ps(o + tt);
+            for (int64_t g = 0; g < G; g++) {
+                __m256i di = _mm256_loadu_si256((const __m256i *)(dbuf + (g * heads + h) * TT + tt));
+                v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(qs[h * G + g]), _mm256_loadu_ps(s + g * TT + tt)),
+                                                   _mm256_cvtepi32_ps(di)));
+                if (IS_ASYM(sp->p.kind))
+                    v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_set1_ps(qlo[h * G + g]), _mm256_loadu_ps(z + g * TT + tt)));
             }
             _mm256_storeu_ps(o + tt, v);
         }
 #endif
         for (; tt < nt; tt++) {
-            float v = accumulate ? o[tt] : 0.0f;
-            for (int k = 0; k < nparts; k++) {
-                const int64_t G = parts[k].p.groups;
-                const float *qs = parts[k].qs, *qlo = parts[k].qlo;
-                for (int64_t g = 0; g < G; g++) {
-                    v = v + (qs[h * G + g] * sT[k][g * TT + tt]) * (float)dbuf[k][(g * heads + h) * TT + tt];
-                    if (IS_ASYM(parts[k].p.kind)) v = v + qlo[h * G + g] * zT[k][g * TT + tt];
-                }
+            float v = first ? 0.0f : o[tt];
+            for (int64_t g = 0; g < G; g++) {
+                v = v + (qs[h * G + g] * s[g * TT + tt]) * (float)dbuf[(g * heads + h) * TT + tt];
+                if (IS_ASYM(sp->p.kind)) v = v + qlo[h * G + g] * z[g * TT + tt];
             }
             o[tt] = v;
         }
+    }
+}
+
+/* v (+)= sum over the parts, in order, of sum_g (qs[h][g] * s[t][g]) * dot + (asym) qlo[h][g] * zp[t][g], for the
+ * tokens [t0, t0 + nt) of one tile, part by part (each part's sums stored and read back: exact); dbuf[k], sT[k], zT[k]
+ * are part k's dots [G][heads][TT] and params [G][TT]; a part with `lanes_q` runs token-lane in lanes_b (avx2). */
+static void scores_tile(const scored_t *parts, int nparts, const uint8_t *base, const int64_t *pages,
+                        int64_t page_rows, int64_t stride, int64_t t0, int64_t nt, int64_t heads, float *out,
+                        int64_t ldo, int accumulate, int32_t **dbuf, float **sT, float **zT, int32_t *lanes_b) {
+    const uint8_t *rows[TT], *prow[TT];
+    rows_from(base, pages, page_rows, stride, t0, nt, rows);
+    for (int k = 0; k < nparts; k++) {
+        for (int64_t tt = 0; tt < nt; tt++) {
+            prow[tt] = rows[tt] + parts[k].offset;
+            load_params(&parts[k].p, prow[tt], sT[k] + tt, zT[k] + tt, TT);
+        }
+        int first = !accumulate && k == 0;
+#if MLAQ_ISA == MLAQ_AVX2
+        if (parts[k].lanes_q) {
+            part_lanes(&parts[k], rows, t0, nt, heads, out, ldo, first, sT[k], zT[k], lanes_b);
+            continue;
+        }
+#else
+        (void)lanes_b;
+#endif
+        for (int64_t tt = 0; tt < nt; tt += DOT_NT) {
+            int n = nt - tt < DOT_NT ? (int)(nt - tt) : DOT_NT;
+            dots_rows(&parts[k].d, prow + tt, n, dbuf[k] + tt, heads * TT, TT);
+        }
+        part_epilogue(&parts[k], dbuf[k], sT[k], zT[k], t0, nt, heads, out, ldo, first);
     }
 }
 
@@ -766,7 +971,29 @@ void mlaq_scores(const uint8_t *base, const int64_t *pages, int64_t page_rows, i
         sp->qlo = alloc((size_t)hg * 4);
         a_sums(&sp->p, q8[k], sp->p.width, heads, sums);
         for (int64_t i = 0; i < hg; i++) sp->qlo[i] = (float)sums[i] * qs[k][i];
+        sp->lanes_q = NULL;
+        sp->lanes_corr = NULL;
+#if MLAQ_ISA == MLAQ_AVX2
+        int64_t hw = heads * sp->p.width;
+        if (token_lanes(&sp->p)) {
+        sp->lanes_corr = alloc((size_t)hg * 4);
+        for (int64_t i = 0; i < hg; i++) sp->lanes_corr[i] = BIAS(sp->p.kind) * sums[i];
+        if (SUB_BYTE(sp->p.kind)) {
+            sp->lanes_q = alloc((size_t)hw);
+            memcpy(sp->lanes_q, q8[k], (size_t)hw);
+        } else {
+            int16_t *q16 = alloc((size_t)hw * 2);
+            for (int64_t i = 0; i < hw; i++) q16[i] = q8[k][i];
+            sp->lanes_q = (uint8_t *)q16;
+        }
+        }
+#endif
         free(sums);
+    }
+    int64_t lanes_words = 0; /* the widest token-lane part's words, whole 32-channel chunks */
+    for (int k = 0; k < nparts; k++) {
+        int64_t words = (parts[k].p.width + 31) / 32 * (SUB_BYTE(parts[k].p.kind) ? 8 : 16);
+        lanes_words = parts[k].lanes_q && words > lanes_words ? words : lanes_words;
     }
     int64_t tiles = (n + TT - 1) / TT;
 #pragma omp parallel num_threads(tiles < threads ? (int)(tiles > 0 ? tiles : 1) : threads)
@@ -779,11 +1006,14 @@ void mlaq_scores(const uint8_t *base, const int64_t *pages, int64_t page_rows, i
             sT[k] = alloc((size_t)(G * TT) * 4);
             zT[k] = alloc((size_t)(G * TT) * 4);
         }
+        int32_t *lanes_b = lanes_words ? alloc((size_t)(lanes_words * TB) * 4) : NULL;
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < tiles; i++) {
             int64_t t0 = i * TT, nt = n - t0 < TT ? n - t0 : TT;
-            scores_tile(parts, nparts, base, pages, page_rows, stride, t0, nt, heads, out, ldo, accumulate, dbuf, sT, zT);
+            scores_tile(parts, nparts, base, pages, page_rows, stride, t0, nt, heads, out, ldo, accumulate, dbuf, sT, zT,
+                        lanes_b);
         }
+        free(lanes_b);
         if (maxes) { /* each head's max over the n scores (exact in any order); -inf for n = 0 */
 #pragma omp for schedule(static)
             for (int64_t h = 0; h < heads; h++) {
@@ -810,6 +1040,8 @@ void mlaq_scores(const uint8_t *base, const int64_t *pages, int64_t page_rows, i
     for (int k = 0; k < nparts; k++) {
         dotter_free(&parts[k].d);
         free(parts[k].qlo);
+        free(parts[k].lanes_q);
+        free(parts[k].lanes_corr);
     }
 }
 
@@ -924,39 +1156,72 @@ static inline int64_t slab_span(const part_t *p, int64_t sl, int64_t *c0, int64_
 
 #if VECTOR
 /* The slab's 16 codes c' of one row as int8 (channels c0.., w <= 16 valid; the rest are never stored). */
-INLINE __m128i slab_codes(const part_t *p, const uint8_t *row, int64_t c0, int64_t w) {
-    if (SUB_BYTE(p->kind) && !IS_INT4(p->kind)) { /* c0 is a multiple of 16: the slab starts on a byte */
-        int bits = BITS(p->kind);
+INLINE __m128i slab_codes(const int kind, const uint8_t *row, int64_t c0, int64_t w) {
+    if (SUB_BYTE(kind) && !IS_INT4(kind)) { /* c0 is a multiple of 16: the slab starts on a byte */
+        int bits = BITS(kind);
         __m256i v = _mm256_sub_epi16(fields16(load16(row + c0 * bits / 8, (w * bits + 7) / 8), bits, 0),
-                                     _mm256_set1_epi16((short)BIAS(p->kind)));
+                                     _mm256_set1_epi16((short)BIAS(kind)));
         return _mm_packs_epi16(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     }
-    if (IS_INT4(p->kind)) {
+    if (IS_INT4(kind)) {
         __m128i b = load16(row + c0 / 2, (w + 1) / 2), m = _mm_set1_epi8(15);
         __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
-        return p->kind == I4_SYM ? _mm_sub_epi8(x, _mm_set1_epi8(8)) : x;
+        return kind == I4_SYM ? _mm_sub_epi8(x, _mm_set1_epi8(8)) : x;
     }
     __m128i x = load16(row + c0, w);
-    return p->kind == I8_ASYM ? _mm_xor_si128(x, _mm_set1_epi8((char)0x80)) : x;
+    return kind == I8_ASYM ? _mm_xor_si128(x, _mm_set1_epi8((char)0x80)) : x;
+}
+
+/* The pair of one row pair's slab codes (r1 NULL: zeros) into B, int16 pairs, channels 0..7 then 8..15. */
+INLINE void pack_pair(const int kind, const uint8_t *r0, const uint8_t *r1, int64_t c0, int64_t w, int16_t *B) {
+    __m128i x0 = slab_codes(kind, r0, c0, w);
+    __m128i x1 = r1 ? slab_codes(kind, r1, c0, w) : _mm_setzero_si128();
+    _mm256_store_si256((__m256i *)B, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x0, x1)));
+    _mm256_store_si256((__m256i *)(B + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x0, x1)));
 }
 
 /* Bs[(sl - s0) * slab_ld + 32 i ..] = slab sl's 16 channels x (token 2i, token 2i + 1) as int16 pairs, channels
  * 0..7 then 8..15, for the slabs [s0, s1) of nc rows: row pair by row pair, each row read once front to back
- * (packed slab by slab, every slab's pass over the rows waited on their loads again: docs/cpu.md). */
-static void pack_slabs(const part_t *p, const uint8_t *const *rows, int64_t nc, int64_t s0, int64_t s1,
-                       int64_t slab_ld, int16_t *Bs) {
-    int64_t c0[s1 - s0], w[s1 - s0]; /* the slabs' spans, once per chunk (not per row pair) */
-    for (int64_t sl = s0; sl < s1; sl++) slab_span(p, sl, &c0[sl - s0], &w[sl - s0]);
+ * (packed slab by slab, every slab's pass over the rows waited on their loads again: docs/cpu.md). One function per
+ * kind, and whole slabs at the constant width 16 where every slab is whole (the loads' branches fold away: the
+ * 3- and 2-bit bands spent a third of their packing on them). */
+INLINE void pack_slabs_of(const part_t *p, const int kind, const uint8_t *const *rows, int64_t nc, int64_t s0,
+                          int64_t s1, int64_t slab_ld, int16_t *Bs) {
+    int64_t c0[s1 - s0], w[s1 - s0], whole = 1; /* the slabs' spans, once per chunk (not per row pair) */
+    for (int64_t sl = s0; sl < s1; sl++) {
+        slab_span(p, sl, &c0[sl - s0], &w[sl - s0]);
+        whole &= w[sl - s0] == SLAB;
+    }
     for (int64_t i = 0; 2 * i < nc; i++) {
         const uint8_t *r0 = rows[2 * i], *r1 = 2 * i + 1 < nc ? rows[2 * i + 1] : NULL;
-        for (int64_t sl = s0; sl < s1; sl++) {
-            int64_t k = sl - s0;
-            __m128i x0 = slab_codes(p, r0, c0[k], w[k]);
-            __m128i x1 = r1 ? slab_codes(p, r1, c0[k], w[k]) : _mm_setzero_si128();
-            int16_t *B = Bs + (sl - s0) * slab_ld + 32 * i;
-            _mm256_store_si256((__m256i *)B, _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x0, x1)));
-            _mm256_store_si256((__m256i *)(B + 16), _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(x0, x1)));
-        }
+        int16_t *B = Bs + 32 * i;
+        if (whole)
+            for (int64_t k = 0; k < s1 - s0; k++) pack_pair(kind, r0, r1, c0[k], SLAB, B + k * slab_ld);
+        else
+            for (int64_t k = 0; k < s1 - s0; k++) pack_pair(kind, r0, r1, c0[k], w[k], B + k * slab_ld);
+    }
+}
+#define PACK_SLABS_FN(KIND)                                                                                       \
+    static __attribute__((noinline)) void pack_slabs_##KIND(const part_t *p, const uint8_t *const *rows,          \
+                                                             int64_t nc, int64_t s0, int64_t s1, int64_t slab_ld,  \
+                                                             int16_t *Bs) {                                        \
+        pack_slabs_of(p, KIND, rows, nc, s0, s1, slab_ld, Bs);                                                     \
+    }
+PACK_SLABS_FN(I8_SYM)
+PACK_SLABS_FN(I8_ASYM)
+PACK_SLABS_FN(I4_SYM)
+PACK_SLABS_FN(I4_ASYM)
+PACK_SLABS_FN(I3_SYM)
+PACK_SLABS_FN(I2_SYM)
+static void pack_slabs(const part_t *p, const uint8_t *const *rows, int64_t nc, int64_t s0, int64_t s1,
+                       int64_t slab_ld, int16_t *Bs) {
+    switch (p->kind) {
+    case I8_SYM: pack_slabs_I8_SYM(p, rows, nc, s0, s1, slab_ld, Bs); break;
+    case I8_ASYM: pack_slabs_I8_ASYM(p, rows, nc, s0, s1, slab_ld, Bs); break;
+    case I4_SYM: pack_slabs_I4_SYM(p, rows, nc, s0, s1, slab_ld, Bs); break;
+    case I4_ASYM: pack_slabs_I4_ASYM(p, rows, nc, s0, s1, slab_ld, Bs); break;
+    case I3_SYM: pack_slabs_I3_SYM(p, rows, nc, s0, s1, slab_ld, Bs); break;
+    default: pack_slabs_I2_SYM(p, rows, nc, s0, s1, slab_ld, Bs);
     }
 }
 
@@ -1075,6 +1340,26 @@ static void pv_slabs(const part_t *p, const uint8_t *const *rows, int64_t n, con
     }
 }
 
+/* dst[j * heads + h] = tile[h * QCHUNK / 2 + j]: a chunk's int16 pairs from [head][pair] to [pair][head], 8 x 8
+ * blocks by `transpose8` (the scalar copy of each pair took a third of pv_part's own time, band codecs: docs/cpu.md). */
+static void transpose_pairs(const int32_t *tile, int64_t heads, int64_t pairs, int32_t *dst) {
+    const int64_t ld = QCHUNK / 2;
+    int64_t h8 = 0, j8 = 0;
+#if VECTOR
+    h8 = heads / 8 * 8;
+    j8 = pairs / 8 * 8;
+    for (int64_t h = 0; h < h8; h += 8)
+        for (int64_t j = 0; j < j8; j += 8) {
+            __m256i r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(tile + (h + i) * ld + j));
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(dst + (j + i) * heads + h), r[i]);
+        }
+#endif
+    for (int64_t j = 0; j < pairs; j++)
+        for (int64_t h = j < j8 ? h8 : 0; h < heads; h++) dst[j * heads + h] = tile[h * ld + j];
+}
+
 /* This thread's share [s0, s1) of the slabs (contiguous, static). */
 static void my_slabs(int64_t slabs, int64_t *s0, int64_t *s1) {
 #ifdef _OPENMP
@@ -1115,9 +1400,7 @@ static void pv_part(const part_t *p, const uint8_t *const *rows, int64_t n, cons
             int64_t valid = n - t0 < nt ? n - t0 : nt;
             for (int64_t h = 0; h < heads; h++)
                 quantize_probs(probs + h * ldq + t0, s + g * n + t0, r[g], valid, nt, tile + h * QCHUNK);
-            int32_t *dst = P + (g * npad + t0) / 2 * heads;
-            for (int64_t j = 0; j < nt / 2; j++)
-                for (int64_t h = 0; h < heads; h++) memcpy(dst + j * heads + h, tile + h * QCHUNK + 2 * j, 4);
+            transpose_pairs((const int32_t *)tile, heads, nt / 2, P + (g * npad + t0) / 2 * heads);
         }
         if (IS_ASYM(p->kind)) {
 #pragma omp for schedule(static)
