@@ -723,14 +723,13 @@ typedef struct {
  * 8 lanes, so the sums come out token-wise with no reduction, and the FP32 epilogue runs on them straight from the
  * registers' store, in `scores_tile`'s order: the same integers, the same FP32 operations, the same bits. */
 
-/* Whether part p runs token-lane: its groups whole words (4 channels sub-byte, 2 int8) and short enough that
- * `dots_rows`' reduction is not amortized over its chunks: sub-byte groups of at most LANES_MAX channels (bands,
- * k_pe, g32 / g64 groups), int8 parts at most LANES_MAX wide (a grouped int8 c_kv measured even either way, and a
- * wide row-wise part, sub-byte or int8, faster in `dots_rows`: A / B in docs/cpu.md). */
+/* Whether part p runs token-lane: its groups whole words (4 channels sub-byte, 2 int8) of at most LANES_MAX
+ * channels, where `dots_rows`' reduction is not amortized over their chunks (bands, k_pe, g32 / g64 groups); a wide
+ * row-wise part, sub-byte or int8, measured faster in `dots_rows` (A / B in docs/cpu.md). */
 #define LANES_MAX 128
 static int token_lanes(const part_t *p) {
     if (p->kind == U8_CODES || p->gs % (SUB_BYTE(p->kind) ? 4 : 2)) return 0;
-    return SUB_BYTE(p->kind) ? p->gs <= LANES_MAX : p->width <= LANES_MAX;
+    return p->gs <= LANES_MAX;
 }
 
 /* Channels 32j .. 32j + w - 1 (w <= 32, zeros after) of a row's codes as words: sub-byte kinds 8 words of 4 unsigned
