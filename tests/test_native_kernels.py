@@ -176,6 +176,25 @@ def test_scores_bit_identical_to_torch_formula(isa, name, width, paged):
 
 
 @ISAS
+@pytest.mark.parametrize("name", ["int4-row", "int4-g64", "band-3x128", "band-2x128", "int8-row"])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_scores_exact_at_the_largest_codes_and_query(isa, name, sign):
+    """Every code at its largest stored value and every query code at ±127 over a 128-channel part: the sums the
+    avx2 token-lane dots keep in int16 (runs of 8 / 16 / 32 words for 4 / 3 / 2 bits) reach their bound and must not
+    wrap; the scores equal the torch formula's bits."""
+    kern = _variant(isa)
+    n, heads, width = 70, 5, 128
+    rc, raw, _ = _block(name, width, n, 3, False)
+    raw[:, : rc.layout.code_bytes] = 0x7F if name == "int8-row" else 0xFF  # int8 sym: +127; sub-byte: all ones
+    rows = _placed(rc, raw, False, torch.Generator().manual_seed(0))
+    q8 = torch.full((heads, width), 127 * sign, dtype=torch.int8)
+    qs = torch.rand(heads, rc.layout.n_groups, generator=torch.Generator().manual_seed(2)) * 0.01
+    out = torch.empty(heads, n)
+    kern.scores(rows, n, [(part_of(rc), 0, q8, qs)], out, accumulate=False)
+    assert torch.equal(out, scores_reference(rc, raw, q8, qs))
+
+
+@ISAS
 @pytest.mark.parametrize("first, second", [("int8-row", "int4-g16-asym"), ("int4-g32-asym", "int8-row")])
 def test_two_parts_in_one_scores_call_are_the_bits_of_two_calls(isa, first, second):
     """c_kv and k_pe of one row in one call: the second part's groups follow the first's, as if accumulated."""
