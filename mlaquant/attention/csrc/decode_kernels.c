@@ -710,8 +710,10 @@ typedef struct {
     dotter_t d;
     const float *qs;
     float *qlo;
-    uint8_t *lanes_q;    /* avx2 token-lane query words: q8 [heads][width] (sub-byte kinds) or int16 (int8 kinds) */
-    int32_t *lanes_corr; /* [heads][G]: BIAS * sum of the group's q8 (the stored codes' offset), else 0 */
+    const uint8_t *lanes_q; /* avx2 token-lane query words (NULL: `dots_rows`): q8 [heads][width] itself (sub-byte
+                               kinds) or lanes_q16 (int8 kinds) */
+    int16_t *lanes_q16;     /* q8 as int16 [heads][width] (token-lane int8 kinds), else NULL */
+    uint32_t *lanes_corr;   /* [heads][G]: the stored codes' offset times the group's q8 sum (`corrections`) */
 } scored_t;
 
 #if MLAQ_ISA == MLAQ_AVX2
@@ -720,8 +722,8 @@ typedef struct {
  * once per 2-4 chunks. Here a block of TB rows is packed once, for every head, into words of 4 codes (sub-byte kinds,
  * unsigned as stored) or 2 codes (int8 kinds, c' as int16) with the tokens across the lanes: B[word][token]. A
  * head's query word (its 4 int8 / 2 int16 channels) broadcast against a vector of B gives 8 tokens' partial dots in
- * 8 lanes, so the sums come out token-wise with no reduction, and the FP32 epilogue runs on them straight from the
- * registers' store, in `scores_tile`'s order: the same integers, the same FP32 operations, the same bits. */
+ * 8 lanes, so the sums come out token-wise with no reduction, into the same dots buffer `part_epilogue` reads: the
+ * same integers, the same FP32 operations, the same bits. */
 
 /* Whether part p runs token-lane: its groups whole words (4 channels sub-byte, 2 int8) of at most LANES_MAX
  * channels, where `dots_rows`' reduction is not amortized over their chunks (bands, k_pe, g32 / g64 groups); a wide
@@ -797,14 +799,16 @@ static void pack_token_lanes(const part_t *p, const uint8_t *const *rows, int nr
     }
 }
 
-/* out[mi * TB + i] = sum over words [c0, c1) of B[word * TB + i] . the query word of head mi (qw + mi * ldq bytes,
- * word c at byte 4c), for the 8 tokens i of B's vector (B points at it) and MT heads. Sub-byte codes (u <= 15):
- * maddubs pairs (|.| <= 2 * 15 * 128) summed in int16 over runs of `run` words (run * 2 * umax * 128 <= 32768: no
- * overflow), then one madd by ones into the INT32 sums; int8 pairs: madd straight into INT32. One vector of tokens
- * per pass keeps the MT sums, B's word and the query words in registers (two vectors spilled a sum). */
+/* out[mi * ldo + i] = sum over words [c0, c1) of B[word * TB + i] . the query word of head mi (qw + mi * ldq
+ * bytes, word c at byte 4c), less corr[mi * cstride] (wrapping), for the 8 tokens i of B's vector (B points at it)
+ * and MT heads. Sub-byte codes (u <= 15): maddubs pairs (|.| <= 2 * 15 * 128) summed in int16 over runs of `run`
+ * words (run * 2 * umax * 128 <= 32768: no overflow), then one madd by ones into the INT32 sums; int8 pairs: madd
+ * straight into INT32. One vector of tokens per pass keeps the MT sums, B's word and the query words in registers
+ * (two vectors spilled a sum). */
 #define LANE_FN(NAME, SUB, MT)                                                                                    \
     static __attribute__((noinline)) void NAME(const int32_t *B, int64_t c0, int64_t c1, const uint8_t *qw,       \
-                                               int64_t ldq, int64_t run, int32_t *out) {                          \
+                                               int64_t ldq, int64_t run, const uint32_t *corr, int64_t cstride,   \
+                                               int32_t *out, int64_t ldo) {                                       \
         __m256i acc[MT], sum[MT];                                                                                 \
         const __m256i ones = _mm256_set1_epi16(1);                                                                \
         _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++) acc[mi] = sum[mi] = _mm256_setzero_si256();      \
@@ -826,24 +830,19 @@ static void pack_token_lanes(const part_t *p, const uint8_t *const *rows, int nr
                 }                                                                                                 \
         }                                                                                                         \
         _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++)                                                   \
-            _mm256_storeu_si256((__m256i *)(out + mi * TB), SUB ? sum[mi] : acc[mi]);                             \
+            _mm256_storeu_si256((__m256i *)(out + mi * ldo),                                                      \
+                                _mm256_sub_epi32(SUB ? sum[mi] : acc[mi], _mm256_set1_epi32((int)corr[mi * cstride]))); \
     }
 LANE_FN(lanes_sub_4, 1, 4)
 LANE_FN(lanes_sub_1, 1, 1)
 LANE_FN(lanes_i8_4, 0, 4)
 LANE_FN(lanes_i8_1, 0, 1)
 
-/* Lanes < n of an 8-lane mask. */
-INLINE __m256i lane_mask(int64_t n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-/* Part sp's share of `scores_tile` token-lane (comment above): rows[0..nt) the tile's rows, s / z its params
- * [G][TT], first: the part starts the sums (no out read), B a TB-row buffer of the part's words. */
-static void part_lanes(const scored_t *sp, const uint8_t *const *rows, int64_t t0, int64_t nt, int64_t heads,
-                       float *out, int64_t ldo, int first, const float *s, const float *z, int32_t *B) {
+/* Part sp's INT32 dots of one tile token-lane (comment above) into dbuf [G][heads][TT], as `dots_rows` gives them:
+ * rows[0..nt) the tile's rows, B a TB-row buffer of the part's words. */
+static void part_lanes(const scored_t *sp, const uint8_t *const *rows, int64_t nt, int64_t heads, int32_t *dbuf,
+                       int32_t *B) {
     const uint8_t *prow[TB];
-    int32_t dots[4 * TB];
     const part_t *p = &sp->p;
     const int sub = SUB_BYTE(p->kind), wpg = p->gs / (sub ? 4 : 2); /* words per group */
     const int64_t G = p->groups, ldq = p->width * (sub ? 1 : 2);
@@ -856,30 +855,15 @@ static void part_lanes(const scored_t *sp, const uint8_t *const *rows, int64_t t
             for (int64_t h0 = 0; h0 < heads; h0 += 4) {
                 int mt = heads - h0 < 4 ? (int)(heads - h0) : 4;
                 const uint8_t *qw = sp->lanes_q + h0 * ldq;
+                const uint32_t *corr = sp->lanes_corr + h0 * G + g;
                 for (int v = 0; 8 * v < nr; v++) {
-                    if (mt == 4) (sub ? lanes_sub_4 : lanes_i8_4)(B + 8 * v, g * wpg, (g + 1) * wpg, qw, ldq, run, dots + 8 * v);
+                    const int32_t *Bv = B + 8 * v;
+                    int32_t *o = dbuf + (g * heads + h0) * TT + tb + 8 * v; /* TT columns: room for a padded vector */
+                    if (mt == 4) (sub ? lanes_sub_4 : lanes_i8_4)(Bv, g * wpg, (g + 1) * wpg, qw, ldq, run, corr, G, o, TT);
                     else
                         for (int mi = 0; mi < mt; mi++)
-                            (sub ? lanes_sub_1 : lanes_i8_1)(B + 8 * v, g * wpg, (g + 1) * wpg, qw + mi * ldq, ldq, run,
-                                                             dots + mi * TB + 8 * v);
-                }
-                for (int mi = 0; mi < mt; mi++) {
-                    int64_t h = h0 + mi;
-                    const __m256 qsv = _mm256_set1_ps(sp->qs[h * G + g]), qlov = _mm256_set1_ps(sp->qlo[h * G + g]);
-                    const __m256i corr = _mm256_set1_epi32(sp->lanes_corr[h * G + g]);
-                    for (int v = 0; 8 * v < nr; v++) {
-                        int64_t tt = tb + 8 * v;
-                        float *o = out + h * ldo + t0 + tt;
-                        const int full = nr - 8 * v >= 8; /* else the tile's last tokens: masked (slow on AMD) */
-                        __m256i mask = lane_mask(nr - 8 * v);
-                        __m256i di = _mm256_sub_epi32(_mm256_loadu_si256((const __m256i *)(dots + mi * TB + 8 * v)), corr);
-                        __m256 x = first && g == 0 ? _mm256_setzero_ps() : full ? _mm256_loadu_ps(o) : _mm256_maskload_ps(o, mask);
-                        x = _mm256_add_ps(x, _mm256_mul_ps(_mm256_mul_ps(qsv, _mm256_loadu_ps(s + g * TT + tt)),
-                                                           _mm256_cvtepi32_ps(di)));
-                        if (IS_ASYM(p->kind)) x = _mm256_add_ps(x, _mm256_mul_ps(qlov, _mm256_loadu_ps(z + g * TT + tt)));
-                        if (full) _mm256_storeu_ps(o, x);
-                        else _mm256_maskstore_ps(o, mask, x);
-                    }
+                            (sub ? lanes_sub_1 : lanes_i8_1)(Bv, g * wpg, (g + 1) * wpg, qw + mi * ldq, ldq, run,
+                                                             corr + mi * G, G, o + mi * TT, TT);
                 }
             }
     }
@@ -921,7 +905,8 @@ static void part_epilogue(const scored_t *sp, const int32_t *dbuf, const float *
 
 /* v (+)= sum over the parts, in order, of sum_g (qs[h][g] * s[t][g]) * dot + (asym) qlo[h][g] * zp[t][g], for the
  * tokens [t0, t0 + nt) of one tile, part by part (each part's sums stored and read back: exact); dbuf[k], sT[k], zT[k]
- * are part k's dots [G][heads][TT] and params [G][TT]; a part with `lanes_q` runs token-lane in lanes_b (avx2). */
+ * are part k's dots [G][heads][TT] and params [G][TT]; a part with `lanes_q` takes its dots token-lane, in lanes_b
+ * (avx2). */
 static void scores_tile(const scored_t *parts, int nparts, const uint8_t *base, const int64_t *pages,
                         int64_t page_rows, int64_t stride, int64_t t0, int64_t nt, int64_t heads, float *out,
                         int64_t ldo, int accumulate, int32_t **dbuf, float **sT, float **zT, int32_t *lanes_b) {
@@ -932,20 +917,17 @@ static void scores_tile(const scored_t *parts, int nparts, const uint8_t *base, 
             prow[tt] = rows[tt] + parts[k].offset;
             load_params(&parts[k].p, prow[tt], sT[k] + tt, zT[k] + tt, TT);
         }
-        int first = !accumulate && k == 0;
 #if MLAQ_ISA == MLAQ_AVX2
-        if (parts[k].lanes_q) {
-            part_lanes(&parts[k], rows, t0, nt, heads, out, ldo, first, sT[k], zT[k], lanes_b);
-            continue;
-        }
+        if (parts[k].lanes_q) part_lanes(&parts[k], rows, nt, heads, dbuf[k], lanes_b);
+        else
 #else
         (void)lanes_b;
 #endif
-        for (int64_t tt = 0; tt < nt; tt += DOT_NT) {
-            int n = nt - tt < DOT_NT ? (int)(nt - tt) : DOT_NT;
-            dots_rows(&parts[k].d, prow + tt, n, dbuf[k] + tt, heads * TT, TT);
-        }
-        part_epilogue(&parts[k], dbuf[k], sT[k], zT[k], t0, nt, heads, out, ldo, first);
+            for (int64_t tt = 0; tt < nt; tt += DOT_NT) {
+                int n = nt - tt < DOT_NT ? (int)(nt - tt) : DOT_NT;
+                dots_rows(&parts[k].d, prow + tt, n, dbuf[k] + tt, heads * TT, TT);
+            }
+        part_epilogue(&parts[k], dbuf[k], sT[k], zT[k], t0, nt, heads, out, ldo, !accumulate && k == 0);
     }
 }
 
@@ -963,30 +945,30 @@ void mlaq_scores(const uint8_t *base, const int64_t *pages, int64_t page_rows, i
         scored_t *sp = &parts[k];
         sp->p = make_part((int)e[0], e[1], e[2], e[3], e[4]);
         sp->offset = e[5];
-        sp->d = dotter_make(&sp->p, q8[k], sp->p.width, heads);
         sp->qs = qs[k];
         int64_t hg = heads * sp->p.groups;
         int32_t *sums = alloc((size_t)hg * 4);
         sp->qlo = alloc((size_t)hg * 4);
         a_sums(&sp->p, q8[k], sp->p.width, heads, sums);
         for (int64_t i = 0; i < hg; i++) sp->qlo[i] = (float)sums[i] * qs[k][i];
+        sp->d = (dotter_t){0};
         sp->lanes_q = NULL;
+        sp->lanes_q16 = NULL;
         sp->lanes_corr = NULL;
 #if MLAQ_ISA == MLAQ_AVX2
-        int64_t hw = heads * sp->p.width;
         if (token_lanes(&sp->p)) {
-        sp->lanes_corr = alloc((size_t)hg * 4);
-        for (int64_t i = 0; i < hg; i++) sp->lanes_corr[i] = BIAS(sp->p.kind) * sums[i];
-        if (SUB_BYTE(sp->p.kind)) {
-            sp->lanes_q = alloc((size_t)hw);
-            memcpy(sp->lanes_q, q8[k], (size_t)hw);
-        } else {
-            int16_t *q16 = alloc((size_t)hw * 2);
-            for (int64_t i = 0; i < hw; i++) q16[i] = q8[k][i];
-            sp->lanes_q = (uint8_t *)q16;
-        }
+            sp->lanes_corr = alloc((size_t)hg * 4);
+            corrections(&sp->p, sums, hg, sp->lanes_corr);
+            sp->lanes_q = (const uint8_t *)q8[k];
+            if (!SUB_BYTE(sp->p.kind)) {
+                int64_t hw = heads * sp->p.width;
+                sp->lanes_q16 = alloc((size_t)hw * 2);
+                for (int64_t i = 0; i < hw; i++) sp->lanes_q16[i] = q8[k][i];
+                sp->lanes_q = (const uint8_t *)sp->lanes_q16;
+            }
         }
 #endif
+        if (!sp->lanes_q) sp->d = dotter_make(&sp->p, q8[k], sp->p.width, heads);
         free(sums);
     }
     int64_t lanes_words = 0; /* the widest token-lane part's words, whole 32-channel chunks */
@@ -1039,7 +1021,7 @@ void mlaq_scores(const uint8_t *base, const int64_t *pages, int64_t page_rows, i
     for (int k = 0; k < nparts; k++) {
         dotter_free(&parts[k].d);
         free(parts[k].qlo);
-        free(parts[k].lanes_q);
+        free(parts[k].lanes_q16);
         free(parts[k].lanes_corr);
     }
 }
