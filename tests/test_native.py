@@ -155,9 +155,37 @@ def test_w8a8_bit_identical_to_the_fp64_route_under_every_isa_variant(shape, fre
     for isa in native.ISAS:
         if native.runnable(isa):
             fresh_native_build.setenv("MLAQUANT_NATIVE_ISA", isa)
-            assert torch.equal(native.kernels().w8a8(x, w8, ws), want), isa
+            assert torch.equal(native.kernels().w8a8(x, native.pack_w8(w8, ws)), want), isa
             ran.append(isa)
     assert "scalar" in ran and len(ran) >= 2, ran
+
+
+@needs_compiler
+def test_w8a8_exact_at_the_largest_codes_under_every_isa_variant(fresh_native_build):
+    """Every product at ±127 · ±127, with signs mixed so that the int16 pairs of the sign trick reach ±32258 and the
+    INT32 sums their largest magnitude at this K: the C route still equals the FP64 sums."""
+    from mlaquant.modeling.int8_proj import grouped_int8_matmul
+
+    m, g, k, n = 5, 2, 1028, 19
+    gen = torch.Generator().manual_seed(7)
+    x = torch.where(torch.rand(m, g, k, generator=gen) < 0.5, -1.0, 1.0)
+    x[0] = 1.0  # a row of equal signs: every pair at +-32258 against a constant-sign weight row
+    w8 = torch.where(torch.rand(g, n, k, generator=gen) < 0.5, -127, 127).to(torch.int8)
+    w8[:, 0] = 127
+    w8[:, 1] = -127
+    ws = torch.rand(g, n, generator=gen) + 0.5
+    want = grouped_int8_matmul(x, w8, ws, backend="torch")
+    torch.testing.assert_close(want[0, :, 0], k * 127 * ws[:, 0], rtol=1e-6, atol=0)  # the largest sum
+    for isa in [isa for isa in native.ISAS if native.runnable(isa)]:
+        fresh_native_build.setenv("MLAQUANT_NATIVE_ISA", isa)
+        assert torch.equal(native.kernels().w8a8(x, native.pack_w8(w8, ws)), want), isa
+
+
+def test_pack_w8_rejects_code_minus_128():
+    w8 = torch.zeros(1, 3, 8, dtype=torch.int8)
+    w8[0, 2, 5] = -128
+    with pytest.raises(ValueError, match="holds -128"):
+        native.pack_w8(w8, torch.ones(1, 3))
 
 
 def test_native_missing_compiler_warns_and_falls_back(fresh_native_build):

@@ -230,6 +230,36 @@ def _check(x: Tensor, dtype: torch.dtype, what: str, rows: int, cols: int) -> No
                          f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedW8:
+    """W8A8 weights as `mlaq_w8a8` reads them (decode_kernels.c): codes int8 [G, Np / 8, K4 / 4, 8, 4] (Np = N
+    rounded up to 16, K4 = K up to 4; block b, quad q holds channels 4q..4q+3 of outputs 8b..8b+7; zeros past N
+    and K) and scales fp32 [G, Np] (zeros past N), for n outputs of k channels."""
+
+    codes: Tensor
+    scales: Tensor
+    n: int
+    k: int
+
+
+def pack_w8(w_int8: Tensor, w_scale: Tensor) -> PackedW8:
+    """`PackedW8` of per-output-channel codes w_int8 int8 [G, N, K] in ±127 (the kernels' sign trick cannot take
+    −128) and their scales w_scale fp32 [G, N]."""
+    if w_int8.dtype != torch.int8 or w_int8.dim() != 3 or tuple(w_scale.shape) != tuple(w_int8.shape[:2]):
+        raise ValueError(f"pack_w8: w_int8 int8 [G, N, K] and w_scale [G, N], got {w_int8.dtype} "
+                         f"{tuple(w_int8.shape)}, {tuple(w_scale.shape)}")
+    if w_int8.numel() and int(w_int8.min()) == -128:
+        raise ValueError("pack_w8: w_int8 holds -128; the W8A8 kernels take codes in ±127 (quantize_grouped's range)")
+    g, n, k = w_int8.shape
+    np_, k4 = -(-n // 16) * 16, -(-k // 4) * 4
+    codes = torch.zeros(g, np_, k4, dtype=torch.int8)
+    codes[:, :n, :k] = w_int8
+    scales = torch.zeros(g, np_, dtype=torch.float32)
+    scales[:, :n] = w_scale
+    codes = codes.view(g, np_ // 8, 8, k4 // 4, 4).transpose(2, 3).contiguous()
+    return PackedW8(codes, scales, n, k)
+
+
 class Kernels:
     """One built ISA variant of decode_kernels.c (its module comment has the formulas)."""
 
@@ -249,18 +279,16 @@ class Kernels:
                            k, out.data_ptr(), m * n, n, batch, torch.get_num_threads())
         return out
 
-    def w8a8(self, x: Tensor, w_int8: Tensor, w_scale: Tensor) -> Tensor:
-        """fp32 [M, G, N]: the W8A8 product of x fp32 [M, G, K] with w_int8 int8 [G, N, K] and w_scale fp32 [G, N]
-        (per-row activation codes, exact INT32 sums, the FP32 epilogue), bit for bit what
-        `int8_proj.grouped_int8_matmul`'s torch route computes (K below its INT32_EXACT_K)."""
+    def w8a8(self, x: Tensor, w: PackedW8) -> Tensor:
+        """fp32 [M, G, N]: the W8A8 product of x fp32 [M, G, K] (contiguous) with the packed weights `w` (per-row
+        activation codes, exact INT32 sums, the FP32 epilogue), bit for bit what `int8_proj.grouped_int8_matmul`'s
+        torch route computes (K below its INT32_EXACT_K)."""
         m, g, k = x.shape
-        n = w_int8.shape[1]
-        x, w_int8, w_scale = x.float().contiguous(), w_int8.contiguous(), w_scale.float().contiguous()
-        if w_int8.shape != (g, n, k) or w_int8.dtype != torch.int8 or w_scale.shape != (g, n):
-            raise ValueError(f"w8a8: w_int8 int8 [{g}, N, {k}] and w_scale [{g}, N] for x [{m}, {g}, {k}], got "
-                             f"{w_int8.dtype} {tuple(w_int8.shape)}, {tuple(w_scale.shape)}")
-        out = torch.empty(m, g, n, dtype=torch.float32)
-        self.lib.mlaq_w8a8(x.data_ptr(), m, g, k, w_int8.data_ptr(), n, w_scale.data_ptr(), out.data_ptr(),
+        if x.dtype != torch.float32 or not x.is_contiguous() or (g, k) != (w.codes.shape[0], w.k):
+            raise ValueError(f"w8a8: x contiguous fp32 [M, {w.codes.shape[0]}, {w.k}], got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        out = torch.empty(m, g, w.n, dtype=torch.float32)
+        self.lib.mlaq_w8a8(x.data_ptr(), m, g, k, w.codes.data_ptr(), w.n, w.scales.data_ptr(), out.data_ptr(),
                            torch.get_num_threads())
         return out
 

@@ -167,20 +167,21 @@ PROJECTIONS = (("q_nope·W_UK", HEADS, 128, D_C), ("W_UV", HEADS, D_C, 128), ("o
 
 
 def bench_projections(batches: list[int], steps: int) -> list[dict]:
-    """The W8A8 projections (`int8_proj.grouped_int8_matmul`, backend "cpu": activation quantization, the exact
-    INT32 GEMM, the FP32 epilogue) against the FP32 GEMM of the same shapes (`torch.bmm` on FP32 weights), one
-    dict per (batch, projection) of `PROJECTIONS` and their sum per batch ("layer (sum)", shape None): median and
-    fastest seconds of each over interleaved rounds."""
-    from mlaquant.modeling.int8_proj import grouped_int8_matmul, quantize_grouped
+    """The W8A8 projections as a layer runs them (`int8_proj.Int8Weight`, backend "cpu", weights packed before the
+    rounds: activation quantization, the exact INT32 GEMM, the FP32 epilogue) against the FP32 GEMM of the same
+    shapes (`torch.bmm` on FP32 weights), one dict per (batch, projection) of `PROJECTIONS` and their sum per batch
+    ("layer (sum)", shape None): median and fastest seconds of each over interleaved rounds."""
+    from mlaquant.modeling.int8_proj import Int8Weight
 
     rows = []
     for batch in batches:
         for name, g, k, n in PROJECTIONS:
             gen = torch.Generator().manual_seed(k * n + batch)
             x, w = torch.randn(batch, g, k, generator=gen), torch.randn(g, n, k, generator=gen) * k**-0.5
-            w8, ws = quantize_grouped(w)
+            w8 = Int8Weight.quantized(w)
+            w8(x, backend="cpu")  # packs the codes, as a layer's first call does
             wt = w.transpose(1, 2).contiguous()  # [G, K, N]
-            calls = {"int8_matmul": lambda x=x, w8=w8, ws=ws: grouped_int8_matmul(x, w8, ws, backend="cpu"),
+            calls = {"int8_matmul": lambda x=x, w8=w8: w8(x, backend="cpu"),
                      "fp32": lambda x=x, wt=wt: torch.bmm(x.transpose(0, 1), wt)}
             t = _timed_rounds(calls, steps)
             rows.append({"batch": batch, "projection": name, "shape": [g, k, n],

@@ -23,7 +23,8 @@ off again layer by layer while the plan is over budget) and by the sweep.
 Backends: "torch" sums the INT8 products exactly in FP64, batched over heads; "cpu" runs them as real
 int8 x int8 -> int32 GEMMs, exact as long as K · 127² < 2^31 (K ≤ 133 144; longer rows fall back to the FP64
 sums), so its results are bit-identical to "torch": activation codes, every head's sums and the epilogue in
-one call of the C kernels (`mlaquant.attention.native` `w8a8`: avx2 madd, or VNNI) where a vector ISA variant is built,
+one call of the C kernels (`mlaquant.attention.native` `w8a8` on weights packed once per layer: avx2 maddubs +
+madd with the sign trick, or VNNI) where a vector ISA variant is built,
 else `torch._int_mm` per head where torch's int8 GEMM has VNNI (without it slower than an FP32 GEMM:
 docs/cpu.md), else the FP64 sums; "triton" runs every head in one launch (`int8_gemm_grouped`; CUDA, or CPU
 under TRITON_INTERPRET=1); "auto" picks triton on CUDA and cpu on CPU.
@@ -49,28 +50,61 @@ def quantize_grouped(w: Tensor) -> tuple[Tensor, Tensor]:
     return torch.stack(codes), torch.stack(scales)
 
 
-def grouped_int8_matmul(x: Tensor, w_int8: Tensor, w_scale: Tensor, backend: str = "auto") -> Tensor:
-    """W8A8 product per group: x [..., G, K] float, w_int8 [G, N, K], w_scale [G, N] → [..., G, N].
+class Int8Weight:
+    """A grouped W8A8 weight: codes int8 [G, N, K] in ±127 and scales fp32 [G, N] per output channel of each group.
+    On the CPU its C route packs the codes once (`native.pack_w8`, about the codes' size again) and keeps the
+    kernel variant of its first call, so a decode step pays one C call, not a pack and a lookup."""
 
-    Row m of group g gives s_x[m, g] · w_scale[g, n] · Σ_k x8[m, g, k] · w_int8[g, n, k], in x's dtype
-    (FP32 for other dtypes)."""
-    out_dtype = x.dtype if x.dtype in OUT_DTYPES else torch.float32
-    lead, (g, k) = x.shape[:-2], x.shape[-2:]
-    resolved = backends.resolve_backend(backend, x.device, "int8_gemm_grouped")
-    if resolved is backends.Backend.TRITON:
-        return backends.load_kernel("int8_gemm_grouped")(x, w_int8, w_scale, out_dtype)
-    cpu = resolved is backends.Backend.CPU
-    kern = native.vector_kernels() if cpu and x.device.type == "cpu" and k < INT32_EXACT_K else None
-    if kern is not None:  # one C call: activation codes, exact INT32 sums and the epilogue
-        return kern.w8a8(x.reshape(-1, g, k), w_int8, w_scale).to(out_dtype).reshape(*lead, g, w_int8.shape[1])
-    x8, sx, _ = quantize_activation(x.reshape(-1, k))
-    x8 = x8.view(-1, g, k)
-    if cpu and k < INT32_EXACT_K and backends.torch_int8_vnni():
-        acc = int_mm_sums(x8, w_int8).transpose(0, 1).float()
-    else:
-        acc = torch.einsum("mgk,gnk->mgn", x8.double(), w_int8.double()).float()  # exact sums
-    y = acc * sx.view(-1, g, 1) * w_scale
-    return y.to(out_dtype).reshape(*lead, g, w_int8.shape[1])
+    def __init__(self, codes: Tensor, scale: Tensor) -> None:
+        self.codes, self.scale = codes, scale
+        self._native: tuple[native.Kernels, native.PackedW8] | None = None
+
+    @classmethod
+    def quantized(cls, w: Tensor) -> Int8Weight:
+        """The codes of float w [G, N, K] (`quantize_grouped`)."""
+        return cls(*quantize_grouped(w))
+
+    def __call__(self, x: Tensor, backend: str = "auto") -> Tensor:
+        """x [..., G, K] float → [..., G, N]: row m of group g gives s_x[m, g] · scale[g, n] · Σ_k x8[m, g, k] ·
+        codes[g, n, k], in x's dtype (FP32 for other dtypes)."""
+        lead, (g, k), n = x.shape[:-2], x.shape[-2:], self.codes.shape[1]
+        if x.device.type == "cpu" and backend in ("auto", "cpu") and k < INT32_EXACT_K:
+            fast = self._native if self._native is not None else self._prepare()
+            if fast:  # one C call: activation codes, exact INT32 sums and the epilogue
+                out = fast[0].w8a8(x.reshape(-1, g, k).float().contiguous(), fast[1]).view(*lead, g, n)
+                return out if x.dtype == torch.float32 else out.to(x.dtype if x.dtype in OUT_DTYPES else torch.float32)
+        return self._without_native(x, backend)
+
+    def _prepare(self) -> tuple[native.Kernels, native.PackedW8] | tuple[()]:
+        """The vector kernels and the packed codes, kept; () where no vector variant is built (not kept: a later
+        build may bring one)."""
+        kern = native.vector_kernels()
+        if kern is None:
+            return ()
+        self._native = (kern, native.pack_w8(self.codes, self.scale.float()))
+        return self._native
+
+    def _without_native(self, x: Tensor, backend: str) -> Tensor:
+        """The routes other than the C kernels: triton, torch's int8 GEMM where it has VNNI, the exact FP64 sums."""
+        out_dtype = x.dtype if x.dtype in OUT_DTYPES else torch.float32
+        lead, (g, k) = x.shape[:-2], x.shape[-2:]
+        resolved = backends.resolve_backend(backend, x.device, "int8_gemm_grouped")
+        if resolved is backends.Backend.TRITON:
+            return backends.load_kernel("int8_gemm_grouped")(x, self.codes, self.scale, out_dtype)
+        x8, sx, _ = quantize_activation(x.reshape(-1, k))
+        x8 = x8.view(-1, g, k)
+        if resolved is backends.Backend.CPU and k < INT32_EXACT_K and backends.torch_int8_vnni():
+            acc = int_mm_sums(x8, self.codes).transpose(0, 1).float()
+        else:
+            acc = torch.einsum("mgk,gnk->mgn", x8.double(), self.codes.double()).float()  # exact sums
+        y = acc * sx.view(-1, g, 1) * self.scale
+        return y.to(out_dtype).reshape(*lead, g, self.codes.shape[1])
+
+
+def grouped_int8_matmul(x: Tensor, w_int8: Tensor, w_scale: Tensor, backend: str = "auto") -> Tensor:
+    """W8A8 product per group: x [..., G, K] float, w_int8 [G, N, K], w_scale [G, N] → [..., G, N] (`Int8Weight`
+    of these codes, packed for this one call on the C route)."""
+    return Int8Weight(w_int8, w_scale)(x, backend)
 
 
 def int_mm_sums(x8: Tensor, w_int8: Tensor) -> Tensor:
@@ -86,32 +120,27 @@ def int_mm_sums(x8: Tensor, w_int8: Tensor) -> Tensor:
 class Int8Projections:
     """One layer's absorbed projections as INT8 codes + FP32 per-output-channel scales."""
 
-    w_uk: Tensor  # int8 [H, d_c, d_n]
-    w_uk_scale: Tensor  # fp32 [H, d_c]
-    w_uv: Tensor  # int8 [H, d_v, d_c]
-    w_uv_scale: Tensor  # fp32 [H, d_v]
-    w_o: Tensor  # int8 [1, hidden, H·d_v]
-    w_o_scale: Tensor  # fp32 [1, hidden]
+    w_uk: Int8Weight  # [H, d_c, d_n]
+    w_uv: Int8Weight  # [H, d_v, d_c]
+    w_o: Int8Weight  # [1, hidden, H·d_v]
     o_bias: Tensor | None  # [hidden]
     backend: str = "auto"
 
     @classmethod
     def of(cls, attn: MLAAttention, backend: str = "auto") -> Int8Projections:
         w_uk, w_uv = attn._w_uk_uv()  # [H, d_n, d_c], [H, d_v, d_c]
-        uk, uk_s = quantize_grouped(w_uk.transpose(1, 2))
-        uv, uv_s = quantize_grouped(w_uv)
-        o, o_s = quantize_grouped(attn.o_proj.weight[None])
         bias = attn.o_proj.bias.detach() if attn.o_proj.bias is not None else None
-        return cls(uk, uk_s, uv, uv_s, o, o_s, bias, backend)
+        return cls(Int8Weight.quantized(w_uk.transpose(1, 2)), Int8Weight.quantized(w_uv),
+                   Int8Weight.quantized(attn.o_proj.weight[None]), bias, backend)
 
     def query(self, q_nope: Tensor) -> Tensor:
         """q_nope [B, T, H, d_n] → q_nope·W_UK [B, T, H, d_c]."""
-        return grouped_int8_matmul(q_nope, self.w_uk, self.w_uk_scale, self.backend)
+        return self.w_uk(q_nope, self.backend)
 
     def output(self, o_lat: Tensor) -> Tensor:
         """o_lat [B, T, H, d_c] → o_proj(W_UV·o_lat) [B, T, hidden]."""
-        o = grouped_int8_matmul(o_lat, self.w_uv, self.w_uv_scale, self.backend)
-        out = grouped_int8_matmul(o.flatten(-2).unsqueeze(-2), self.w_o, self.w_o_scale, self.backend)[..., 0, :]
+        o = self.w_uv(o_lat, self.backend)
+        out = self.w_o(o.flatten(-2).unsqueeze(-2), self.backend)[..., 0, :]
         return out if self.o_bias is None else out + self.o_bias.to(out.dtype)
 
 

@@ -166,7 +166,8 @@ static void *alloc(size_t bytes) { /* 64-byte aligned, at least 64 bytes */
 /* This thread's buffer `slot` of at least `bytes` (64-byte aligned, contents undefined), kept for the next call: the
  * decode's large per-block buffers, which fresh from malloc (mmap above its threshold) would take their page faults
  * on every block. Valid until the same thread asks for the same slot again. */
-enum { SC_SCORES, SC_PROBS, SC_ROWS, SC_S, SC_ZP, SC_P, SC_S64, SC_SLAB, SC_TILE, SC_SLOTS };
+enum { SC_SCORES, SC_PROBS, SC_ROWS, SC_S, SC_ZP, SC_P, SC_S64, SC_SLAB, SC_TILE, SC_W8_CODES, SC_W8_ABS, SC_W8_SCALE,
+       SC_SLOTS };
 static __thread struct {
     void *ptr;
     size_t bytes;
@@ -644,59 +645,162 @@ void mlaq_dots(const int8_t *a, int64_t lda_b, int64_t lda_m, int64_t m, int kin
     free(d);
 }
 
-/* The W8A8 product of `mlaquant.modeling.int8_proj.grouped_int8_matmul` in one call: x fp32 [M][G][K] -> per (m, g) row
+/* ---------------------------------------------------------------- W8A8 on packed weights */
+
+/* The W8A8 product of `mlaquant.modeling.int8_proj.Int8Weight` in one call. x fp32 [M][G][K]: per (m, g) row
  * amax = max |x|, codes rint(x * ((1 / amax) * 127)) clamped to +-127 (0 where amax == 0; torch's 127.0 / amax is
- * reciprocal(amax) * 127), s_x = amax / 127; acc = exact INT32 sums with w int8 [G][N][K]; out fp32 [M][G][N] =
- * ((float)acc * s_x) * ws[g][n], the FP32 operations of the torch route in its order. */
-void mlaq_w8a8(const float *x, int64_t m, int64_t groups, int64_t k, const int8_t *w, int64_t n, const float *ws,
+ * reciprocal(amax) * 127), s_x = amax / 127. Weights packed once (`int8_proj.pack_weight`): wp int8
+ * [G][Np / 8][K4 / 4][8][4] (Np = N rounded up to 16, K4 = K rounded up to 4, zeros past N and K; codes in +-127),
+ * so one 32-byte load is 4 consecutive channels of 8 outputs; wsp fp32 [G][Np] (zeros past N). acc = exact INT32
+ * sums; out fp32 [M][G][N] = ((float)acc * s_x) * ws[g][n], the FP32 operations of the torch route in its order.
+ * Vector forms: a broadcast 4-channel word of |codes| times w carrying the activation's sign (_mm256_sign_epi8),
+ * _mm256_maddubs_epi16 + _mm256_madd_epi16 (pairs at most 2 * 127 * 127: no saturation; VNNI: vpdpbusd), 8 outputs
+ * per accumulator lane-wise, so no horizontal sum. */
+#define W8_MT 4  /* activation rows per tile */
+#define W8_JOB 4 /* 16-output block pairs per job */
+
+/* One activation row's codes a[k4], |codes| u[k4] (zeros past k) and its scale. */
+static void w8a8_quantize_row(const float *xr, int64_t k, int64_t k4, int8_t *a, uint8_t *u, float *sx) {
+    uint32_t abits = 0; /* max |x| as the bits of |x|: ordered like the values (finite input), and an integer max
+                           reduction vectorizes where a float one does not without -ffast-math */
+    for (int64_t c = 0; c < k; c++) {
+        uint32_t b;
+        memcpy(&b, xr + c, 4);
+        b &= 0x7fffffffu;
+        abits = b > abits ? b : abits;
+    }
+    float amax;
+    memcpy(&amax, &abits, 4);
+    float inv = amax > 0.0f ? (1.0f / amax) * 127.0f : 0.0f;
+    int64_t c = 0;
+#if VECTOR
+    const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    for (; c + 8 <= k; c += 8) { /* the scalar loop's operations, 8 lanes at a time */
+        __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i v = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(q, hi), lo));
+        __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        __m128i v8 = _mm_packs_epi16(v16, v16);
+        _mm_storel_epi64((__m128i *)(a + c), v8);
+        _mm_storel_epi64((__m128i *)(u + c), _mm_abs_epi8(v8));
+    }
+#endif
+    for (; c < k; c++) {
+        float q = nearbyintf(xr[c] * inv);
+        q = q > 127.0f ? 127.0f : q;
+        int32_t code = (int32_t)(q < -127.0f ? -127.0f : q);
+        a[c] = (int8_t)code;
+        u[c] = (uint8_t)(code < 0 ? -code : code);
+    }
+    for (c = k; c < k4; c++) a[c] = 0, u[c] = 0;
+    *sx = amax / 127.0f;
+}
+
+/* acc[i][b] (8 int32 lanes: outputs 8b..8b+7 of the pair) = sum over kq channel quads of row i's codes with the
+ * pair's two packed blocks (w: the first block, the second kq * 32 bytes on), for mt rows lda bytes apart. */
+#if VECTOR
+INLINE void w8a8_tile(const int8_t *a, const uint8_t *u, int64_t lda, int mt, const int8_t *w, int64_t kq,
+                      __m256i acc[W8_MT][2]) {
+#if !VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256i c[W8_MT][2]; /* local: the stores to acc would otherwise follow every byte load (char aliasing) */
+    for (int i = 0; i < mt; i++) c[i][0] = c[i][1] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < kq; q++) {
+        __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + q * 32));
+        __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + (kq + q) * 32));
+        for (int i = 0; i < mt; i++) {
+            int32_t sa, ua;
+            memcpy(&sa, a + i * lda + 4 * q, 4);
+            memcpy(&ua, u + i * lda + 4 * q, 4);
+            __m256i s = _mm256_set1_epi32(sa), uv = _mm256_set1_epi32(ua);
+            __m256i p0 = _mm256_sign_epi8(w0, s), p1 = _mm256_sign_epi8(w1, s);
+#if VNNI
+            c[i][0] = DPBUSD(c[i][0], uv, p0);
+            c[i][1] = DPBUSD(c[i][1], uv, p1);
+#else
+            c[i][0] = _mm256_add_epi32(c[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(uv, p0), ones));
+            c[i][1] = _mm256_add_epi32(c[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(uv, p1), ones));
+#endif
+        }
+    }
+    for (int i = 0; i < mt; i++) acc[i][0] = c[i][0], acc[i][1] = c[i][1];
+}
+#define W8A8_TILE(MT)                                                                                                 \
+    static __attribute__((noinline)) void w8a8_tile_##MT(const int8_t *a, const uint8_t *u, int64_t lda,           \
+                                                         const int8_t *w, int64_t kq, __m256i acc[W8_MT][2]) {     \
+        w8a8_tile(a, u, lda, MT, w, kq, acc);                                                                      \
+    }
+W8A8_TILE(1)
+W8A8_TILE(2)
+W8A8_TILE(3)
+W8A8_TILE(4)
+#endif
+
+/* out rows i0..i0+mt of group g, outputs n0..n0+15 (those below n): the tile's sums through the epilogue. */
+static void w8a8_pair(const int8_t *a, const uint8_t *u, int64_t lda, int mt, const int8_t *w, int64_t kq,
+                      const float *ws, const float *sx, int64_t sx_ld, int64_t n0, int64_t n, float *out,
+                      int64_t ld_out) {
+    int64_t valid = n - n0 < 16 ? n - n0 : 16;
+#if VECTOR
+    __m256i acc[W8_MT][2];
+    switch (mt) {
+    case 1: w8a8_tile_1(a, u, lda, w, kq, acc); break;
+    case 2: w8a8_tile_2(a, u, lda, w, kq, acc); break;
+    case 3: w8a8_tile_3(a, u, lda, w, kq, acc); break;
+    default: w8a8_tile_4(a, u, lda, w, kq, acc); break;
+    }
+    for (int i = 0; i < mt; i++) {
+        __m256 s = _mm256_set1_ps(sx[i * sx_ld]);
+        float row[16];
+        for (int b = 0; b < 2; b++) {
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][b]), s), _mm256_loadu_ps(ws + 8 * b));
+            if (valid == 16)
+                _mm256_storeu_ps(out + i * ld_out + 8 * b, v);
+            else
+                _mm256_storeu_ps(row + 8 * b, v);
+        }
+        if (valid < 16) memcpy(out + i * ld_out, row, (size_t)valid * 4);
+    }
+#else
+    (void)u;
+    for (int i = 0; i < mt; i++)
+        for (int64_t j = 0; j < valid; j++) {
+            const int8_t *wb = w + (j / 8) * kq * 32 + (j % 8) * 4;
+            int32_t acc = 0;
+            for (int64_t q = 0; q < kq; q++)
+                for (int c = 0; c < 4; c++) acc += (int32_t)a[i * lda + 4 * q + c] * wb[q * 32 + c];
+            out[i * ld_out + j] = ((float)acc * sx[i * sx_ld]) * ws[j];
+        }
+#endif
+}
+
+void mlaq_w8a8(const float *x, int64_t m, int64_t groups, int64_t k, const int8_t *wp, int64_t n, const float *wsp,
                float *out, int threads) {
-    int8_t *a = alloc((size_t)(m * groups * k));
-    float *sx = alloc((size_t)(m * groups) * 4);
-    int32_t *acc = alloc((size_t)(groups * m * n) * 4);
-#pragma omp parallel for num_threads(threads) schedule(static) if (m * groups * k >= 65536)
-    for (int64_t r = 0; r < m * groups; r++) {
-        const float *xr = x + r * k;
-        uint32_t abits = 0; /* max |x| as the bits of |x|: ordered like the values (finite input), and an integer
-                               max reduction vectorizes where a float one does not without -ffast-math */
-        for (int64_t c = 0; c < k; c++) {
-            uint32_t b;
-            memcpy(&b, xr + c, 4);
-            b &= 0x7fffffffu;
-            abits = b > abits ? b : abits;
+    int64_t k4 = (k + 3) / 4 * 4, kq = k4 / 4, np = (n + 15) / 16 * 16, pairs = np / 16, rows = m * groups;
+    int8_t *a = scratch(SC_W8_CODES, (size_t)(rows * k4));
+    uint8_t *u = scratch(SC_W8_ABS, (size_t)(rows * k4));
+    float *sx = scratch(SC_W8_SCALE, (size_t)rows * 4);
+    int64_t chunks = (pairs + W8_JOB - 1) / W8_JOB, jobs = groups * chunks;
+    int nth = jobs < threads ? (int)jobs : threads;
+#pragma omp parallel num_threads(nth > 0 ? nth : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) w8a8_quantize_row(x + r * k, k, k4, a + r * k4, u + r * k4, sx + r);
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < jobs; job++) {
+            int64_t g = job / chunks, p0 = (job % chunks) * W8_JOB, p1 = p0 + W8_JOB < pairs ? p0 + W8_JOB : pairs;
+            for (int64_t pr = p0; pr < p1; pr++) {
+                const int8_t *w = wp + (g * np + pr * 16) * k4;
+                for (int64_t i0 = 0; i0 < m; i0 += W8_MT) {
+                    int mt = m - i0 < W8_MT ? (int)(m - i0) : W8_MT;
+                    int64_t r0 = i0 * groups + g;
+                    w8a8_pair(a + r0 * k4, u + r0 * k4, groups * k4, mt, w, kq, wsp + g * np + pr * 16, sx + r0,
+                              groups, pr * 16, n, out + r0 * n + pr * 16, groups * n);
+                }
+            }
         }
-        float amax;
-        memcpy(&amax, &abits, 4);
-        float inv = amax > 0.0f ? (1.0f / amax) * 127.0f : 0.0f;
-        int8_t *ar = a + r * k;
-        for (int64_t c = 0; c < k; c++) {
-            float q = nearbyintf(xr[c] * inv);
-            q = q > 127.0f ? 127.0f : q;
-            ar[c] = (int8_t)(int32_t)(q < -127.0f ? -127.0f : q);
-        }
-        sx[r] = amax / 127.0f;
     }
-    part_t p = make_part(0, k, k, 0, 0);
-    dotter_t *d = malloc(sizeof(dotter_t) * (size_t)groups);
-    for (int64_t g = 0; g < groups; g++) d[g] = dotter_make(&p, a + g * k, groups * k, m);
-    int64_t tiles = (n + DOT_NT - 1) / DOT_NT, jobs = groups * tiles;
-#pragma omp parallel for num_threads(jobs < threads ? (int)(jobs > 0 ? jobs : 1) : threads) schedule(static)
-    for (int64_t job = 0; job < jobs; job++) {
-        int64_t g = job / tiles, n0 = (job % tiles) * DOT_NT;
-        int nt = n - n0 < DOT_NT ? (int)(n - n0) : DOT_NT;
-        const uint8_t *rows[DOT_NT];
-        for (int ni = 0; ni < nt; ni++) rows[ni] = (const uint8_t *)(w + (g * n + n0 + ni) * k);
-        dots_rows(&d[g], rows, nt, acc + g * m * n + n0, 0, n);
-    }
-    for (int64_t g = 0; g < groups; g++) dotter_free(&d[g]);
-    free(d);
-#pragma omp parallel for num_threads(threads) schedule(static) if (m * groups * n >= 65536)
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t j = 0; j < n; j++)
-                out[(i * groups + g) * n + j] = ((float)acc[(g * m + i) * n + j] * sx[i * groups + g]) * ws[g * n + j];
-    free(a);
-    free(sx);
-    free(acc);
 }
 
 /* ---------------------------------------------------------------- scores */
