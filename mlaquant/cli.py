@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from mlaquant import __version__
@@ -113,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     configure_logging(args)
+    # Large CPU tensors on transparent huge pages, unless the user set it: torch's allocator reads this at its first
+    # allocation. Calibration's activations come and go by the GB; on small pages a third of its wall time went to
+    # page faults (docs/commands.md, "Calibration time").
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     import torch
 
     try:

@@ -152,3 +152,14 @@ def test_only_org_name_strings_that_are_not_paths_are_hub_ids(tmp_path, monkeypa
     for not_an_id in ("a/b/c", "./x/y", "/abs/dir", "plain"):
         assert resolve_model_path(not_an_id) == Path(not_an_id)
     assert resolve_model_path(None) == default_model_path()
+
+
+@pytest.mark.parametrize("given, kept", [(None, "1"), ("0", "0")])
+def test_the_command_puts_large_tensors_on_huge_pages_unless_told_otherwise(tmp_path, monkeypatch, given, kept):
+    """`main` sets THP_MEM_ALLOC_ENABLE=1 before torch allocates (docs/commands.md, "Calibration time"), and leaves
+    a value the user set."""
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", given or "")  # recorded, so undone after the test either way
+    if given is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
+    assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == kept
