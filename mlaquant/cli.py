@@ -115,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(args)
     # Large CPU tensors on transparent huge pages, unless the user set it: torch's allocator reads this at its first
-    # allocation. Calibration's activations come and go by the GB; on small pages a third of its wall time went to
-    # page faults (docs/commands.md, "Calibration time").
+    # allocation. Calibration's activations come and go by the GB; on small pages a fifth to a quarter of its wall
+    # time went to page faults (docs/commands.md, "Calibration time").
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     import torch
 

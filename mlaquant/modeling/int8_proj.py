@@ -68,12 +68,12 @@ class Int8Weight:
         """x [..., G, K] float → [..., G, N]: row m of group g gives s_x[m, g] · scale[g, n] · Σ_k x8[m, g, k] ·
         codes[g, n, k], in x's dtype (FP32 for other dtypes)."""
         lead, (g, k), n = x.shape[:-2], x.shape[-2:], self.codes.shape[1]
+        out_dtype = x.dtype if x.dtype in OUT_DTYPES else torch.float32
         if x.device.type == "cpu" and backend in ("auto", "cpu") and k < INT32_EXACT_K:
             fast = self._native if self._native is not None else self._prepare()
             if fast:  # one C call: activation codes, exact INT32 sums and the epilogue
-                out = fast[0].w8a8(x.reshape(-1, g, k).float().contiguous(), fast[1]).view(*lead, g, n)
-                return out if x.dtype == torch.float32 else out.to(x.dtype if x.dtype in OUT_DTYPES else torch.float32)
-        return self._without_native(x, backend)
+                return fast[0].w8a8(x.reshape(-1, g, k).float().contiguous(), fast[1]).view(*lead, g, n).to(out_dtype)
+        return self._without_native(x, backend, out_dtype)
 
     def _prepare(self) -> tuple[native.Kernels, native.PackedW8] | tuple[()]:
         """The vector kernels and the packed codes, kept; () where no vector variant is built (not kept: a later
@@ -84,9 +84,8 @@ class Int8Weight:
         self._native = (kern, native.pack_w8(self.codes, self.scale.float()))
         return self._native
 
-    def _without_native(self, x: Tensor, backend: str) -> Tensor:
+    def _without_native(self, x: Tensor, backend: str, out_dtype: torch.dtype) -> Tensor:
         """The routes other than the C kernels: triton, torch's int8 GEMM where it has VNNI, the exact FP64 sums."""
-        out_dtype = x.dtype if x.dtype in OUT_DTYPES else torch.float32
         lead, (g, k) = x.shape[:-2], x.shape[-2:]
         resolved = backends.resolve_backend(backend, x.device, "int8_gemm_grouped")
         if resolved is backends.Backend.TRITON:

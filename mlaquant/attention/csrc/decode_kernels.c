@@ -649,7 +649,7 @@ void mlaq_dots(const int8_t *a, int64_t lda_b, int64_t lda_m, int64_t m, int kin
 
 /* The W8A8 product of `mlaquant.modeling.int8_proj.Int8Weight` in one call. x fp32 [M][G][K]: per (m, g) row
  * amax = max |x|, codes rint(x * ((1 / amax) * 127)) clamped to +-127 (0 where amax == 0; torch's 127.0 / amax is
- * reciprocal(amax) * 127), s_x = amax / 127. Weights packed once (`int8_proj.pack_weight`): wp int8
+ * reciprocal(amax) * 127), s_x = amax / 127. Weights packed once (`native.pack_w8`): wp int8
  * [G][Np / 8][K4 / 4][8][4] (Np = N rounded up to 16, K4 = K rounded up to 4, zeros past N and K; codes in +-127),
  * so one 32-byte load is 4 consecutive channels of 8 outputs; wsp fp32 [G][Np] (zeros past N). acc = exact INT32
  * sums; out fp32 [M][G][N] = ((float)acc * s_x) * ws[g][n], the FP32 operations of the torch route in its order.
