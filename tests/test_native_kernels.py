@@ -138,6 +138,24 @@ def test_dots_exact_int32_on_bit_stream_codes(isa, bits, k):
     assert torch.equal(got.double(), want)
 
 
+@ISAS
+@pytest.mark.parametrize("bits", [4, 3, 2])
+@pytest.mark.parametrize("k", [2048, 528])  # whole runs of 32-channel chunks; a short run and a 16-channel tail
+@pytest.mark.parametrize("m", [6, 3])  # 3- and 2-bit codes: unpacked to bytes once (6 rows), or read in place (3)
+@pytest.mark.parametrize("a_value", [-128, 127])
+def test_dots_exact_at_the_largest_sub_byte_codes(isa, bits, k, m, a_value):
+    """Every sub-byte code at its largest unsigned value and every a at -128 or +127, over parts wide enough for
+    the dots of `dots_rows` (not token-lane): the avx2 variant adds maddubs pairs in int16 over runs of chunks
+    (8 / 16 / 32 chunks for 4 / 3 / 2 bits), whose sums then reach their bound and must not wrap."""
+    kern = _variant(isa)
+    code = native.KINDS[("int4", True)] if bits == 4 else native.BAND_KINDS[bits]
+    a = torch.full((1, m, k), a_value, dtype=torch.int8)
+    w = torch.full((1, 5, k * bits // 8), 0xFF, dtype=torch.uint8)
+    got = kern.dots(a, w, code, k)
+    want = a_value * ((1 << bits) - 1 - (1 << (bits - 1))) * k  # every code c' = 2^bits - 1 - bias
+    assert torch.equal(got, torch.full((1, m, 5), want, dtype=torch.int32))
+
+
 def scores_reference(rc, raw, q8, qs, init=None):
     """The scores' formula in torch, FP32 operation by operation: v = init or 0; per group g in order
     v += (qs_g · s_g) · float(dot_g) (+ (Σq8_g · qs_g) · zp_g for asymmetric codes); dot_g exact via float64."""

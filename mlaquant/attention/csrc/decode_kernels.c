@@ -55,6 +55,21 @@
 #if VECTOR
 #include <immintrin.h>
 #endif
+#if MLAQ_ISA == MLAQ_AVX2
+/* acc + x, written into acc's register (GCC 12 adds into x's register and copies it back: a move per accumulator
+ * and step, which the hot loops cannot spare at 6 instructions a cycle) */
+static inline __attribute__((always_inline)) __m256i add32_into(__m256i acc, __m256i x) {
+    __asm__("vpaddd %1, %0, %0" : "+x"(acc) : "x"(x));
+    return acc;
+}
+static inline __attribute__((always_inline)) __m256i add16_into(__m256i acc, __m256i x) {
+    __asm__("vpaddw %1, %0, %0" : "+x"(acc) : "x"(x));
+    return acc;
+}
+#define ADD32(acc, x) add32_into(acc, x)
+#else
+#define ADD32(acc, x) _mm256_add_epi32(acc, x)
+#endif
 #if MLAQ_ISA == MLAQ_AVX512VNNI
 static inline __attribute__((always_inline)) __m256i dpbusd_y(__m256i acc, __m256i u, __m256i s) {
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
@@ -294,8 +309,8 @@ INLINE __m256i load32(const uint8_t *p, int64_t n) { /* n <= 32 bytes, zeros aft
 }
 
 INLINE __m256i nibbles(const uint8_t *p, int64_t nbytes) { /* [low nibbles | high nibbles] of nbytes <= 16 */
-    __m128i x = load16(p, nbytes), m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m), _mm_and_si128(x, m));
+    __m256i x = _mm256_broadcastsi128_si256(load16(p, nbytes)); /* one shift and one mask for both halves */
+    return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(15));
 }
 
 /* Bit-stream fields (3 or 2 bits): channel c at bits b.c .. b.c + b - 1. A 16-bit lane i of `fields16` takes the
@@ -379,21 +394,8 @@ INLINE void chunk_dots(int kind, const uint8_t *am, int64_t astep, const uint8_t
         for (int ni = 0; ni < nt; ni++) acc[mi][ni] = DPBUSD(acc[mi][ni], u[ni], a);
     }
 #else
-    if (SUB_BYTE(kind)) { /* unsigned codes x int8 a: maddubs pairs <= 2 * 15 * 128, no saturation */
-        const __m256i ones = _mm256_set1_epi16(1);
-        __m256i u[DOT_NT];
-        _Pragma("GCC unroll 16")
-        for (int ni = 0; ni < nt; ni++) u[ni] = sub_byte_codes(kind, r[ni] + j * CH * BITS(kind) / 8, w);
-        _Pragma("GCC unroll 16")
-        for (int mi = 0; mi < mt; mi++) {
-            __m256i a = _mm256_load_si256((const __m256i *)(am + mi * astep));
-            _Pragma("GCC unroll 16")
-            for (int ni = 0; ni < nt; ni++)
-                acc[mi][ni] = _mm256_add_epi32(acc[mi][ni], _mm256_madd_epi16(_mm256_maddubs_epi16(u[ni], a), ones));
-        }
-        return;
-    }
-    /* int8 codes sign-extended to int16, 16 channels at a time (registers: 8 accumulators + 2 rows) */
+    /* int8 codes sign-extended to int16, 16 channels at a time (registers: 8 accumulators + 2 rows); sub-byte
+     * codes: `sub_chunk_dots` */
     for (int half = 0; half < 2 && 16 * half < w; half++) {
         int64_t wh = w - 16 * half < 16 ? w - 16 * half : 16;
         __m256i x[DOT_NT];
@@ -407,11 +409,41 @@ INLINE void chunk_dots(int kind, const uint8_t *am, int64_t astep, const uint8_t
         for (int mi = 0; mi < mt; mi++) {
             __m256i a = _mm256_load_si256((const __m256i *)(am + mi * astep + 32 * half));
             _Pragma("GCC unroll 16")
-            for (int ni = 0; ni < nt; ni++) acc[mi][ni] = _mm256_add_epi32(acc[mi][ni], _mm256_madd_epi16(x[ni], a));
+            for (int ni = 0; ni < nt; ni++) acc[mi][ni] = ADD32(acc[mi][ni], _mm256_madd_epi16(x[ni], a));
         }
     }
 #endif
 }
+
+#if MLAQ_ISA == MLAQ_AVX2
+/* avx2 sub-byte dots: maddubs pairs (|.| <= 2 * umax * 128) added in int16 over a run of SUB_RUN chunks
+ * (SUB_RUN * 2 * umax * 128 <= 32768: no overflow), then one madd by ones into the INT32 sums per run, where a
+ * madd per chunk had been as many multiplies as the maddubs themselves. */
+#define SUB_RUN(kind) (BITS(kind) == 4 || (kind) == U8_CODES ? 8 : BITS(kind) == 3 ? 16 : 32) /* U8_CODES: <= 15 */
+INLINE void sub_zero(const int mt, const int nt, __m256i a16[DOT_MT][DOT_NT]) {
+    _Pragma("GCC unroll 16") for (int mi = 0; mi < mt; mi++)
+        _Pragma("GCC unroll 16") for (int ni = 0; ni < nt; ni++) a16[mi][ni] = _mm256_setzero_si256();
+}
+INLINE void sub_fold(const int mt, const int nt, __m256i a16[DOT_MT][DOT_NT], __m256i acc[DOT_MT][DOT_NT]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    _Pragma("GCC unroll 16") for (int mi = 0; mi < mt; mi++)
+        _Pragma("GCC unroll 16") for (int ni = 0; ni < nt; ni++)
+            acc[mi][ni] = _mm256_add_epi32(acc[mi][ni], _mm256_madd_epi16(a16[mi][ni], ones));
+}
+/* a16[mi][ni] += maddubs(unsigned codes of chunk j (w channels) of row r[ni], A row am + mi * astep), int16 */
+INLINE void sub_chunk_dots(int kind, const uint8_t *am, int64_t astep, const uint8_t *const *r, int64_t j, int64_t w,
+                           const int mt, const int nt, __m256i a16[DOT_MT][DOT_NT]) {
+    __m256i u[DOT_NT];
+    _Pragma("GCC unroll 16")
+    for (int ni = 0; ni < nt; ni++) u[ni] = sub_byte_codes(kind, r[ni] + j * CH * BITS(kind) / 8, w);
+    _Pragma("GCC unroll 16")
+    for (int mi = 0; mi < mt; mi++) {
+        __m256i a = _mm256_load_si256((const __m256i *)(am + mi * astep));
+        _Pragma("GCC unroll 16")
+        for (int ni = 0; ni < nt; ni++) a16[mi][ni] = add16_into(a16[mi][ni], _mm256_maddubs_epi16(u[ni], a));
+    }
+}
+#endif
 
 /* out[mi * ld_m + ni] = dot of a rows m0 + mi (ap: A of row m0, rows astride entries apart) with code rows rows[ni]
  * over group g, less corr[mi * cstride] (wrapping); mt <= DOT_MT, nt <= DOT_NT (constants after inlining). */
@@ -428,8 +460,28 @@ INLINE void tile_dots(const part_t *p, const int kind, const uint8_t *ap, int64_
     _Pragma("GCC unroll 16")
     for (int ni = 0; ni < nt; ni++) r[ni] = rows[ni] + g * p->gs * BITS(kind) / 8;
     /* full chunks at a constant width (the loads' branches fold away), then the group's short tail chunk */
-    for (int64_t j = 0; j < full; j++) chunk_dots(kind, a0 + j * CH * esize, astride * esize, r, j, CH, mt, nt, acc);
-    if (tail) chunk_dots(kind, a0 + full * CH * esize, astride * esize, r, full, tail, mt, nt, acc);
+#if MLAQ_ISA == MLAQ_AVX2
+    if (SUB_BYTE(kind)) { /* int16 sums over runs of chunks, one madd per run: see `sub_chunk_dots` */
+        const int64_t run = SUB_RUN(kind);
+        for (int64_t j0 = 0; j0 < full; j0 += run) {
+            __m256i a16[DOT_MT][DOT_NT];
+            const int64_t j1 = full - j0 < run ? full : j0 + run;
+            sub_zero(mt, nt, a16);
+            for (int64_t j = j0; j < j1; j++) sub_chunk_dots(kind, a0 + j * CH, astride, r, j, CH, mt, nt, a16);
+            sub_fold(mt, nt, a16, acc);
+        }
+        if (tail) {
+            __m256i a16[DOT_MT][DOT_NT];
+            sub_zero(mt, nt, a16);
+            sub_chunk_dots(kind, a0 + full * CH, astride, r, full, tail, mt, nt, a16);
+            sub_fold(mt, nt, a16, acc);
+        }
+    } else
+#endif
+    {
+        for (int64_t j = 0; j < full; j++) chunk_dots(kind, a0 + j * CH * esize, astride * esize, r, j, CH, mt, nt, acc);
+        if (tail) chunk_dots(kind, a0 + full * CH * esize, astride * esize, r, full, tail, mt, nt, acc);
+    }
     if (mt * nt == 8 || mt * nt == 16) { /* 8 sums per vector, lanes mi * nt + ni; nt = 2 or 4 */
         __m256i flat[16];
         _Pragma("GCC unroll 16")
@@ -924,8 +976,8 @@ static void pack_token_lanes(const part_t *p, const uint8_t *const *rows, int nr
                     int32_t word;                                                                                 \
                     memcpy(&word, qw + mi * ldq + 4 * c, 4);                                                      \
                     __m256i q = _mm256_set1_epi32(word);                                                          \
-                    if (SUB) acc[mi] = _mm256_add_epi16(acc[mi], _mm256_maddubs_epi16(b, q));                     \
-                    else acc[mi] = _mm256_add_epi32(acc[mi], _mm256_madd_epi16(b, q));                            \
+                    if (SUB) acc[mi] = add16_into(acc[mi], _mm256_maddubs_epi16(b, q));                           \
+                    else acc[mi] = add32_into(acc[mi], _mm256_madd_epi16(b, q));                                  \
                 }                                                                                                 \
             }                                                                                                     \
             if (SUB) _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++) {                                    \
@@ -1334,7 +1386,7 @@ static void pack_slabs(const part_t *p, const uint8_t *const *rows, int64_t nc, 
 #if VNNI
 #define PV_MAC(acc, b, p) DPWSSD(acc, b, p)
 #else
-#define PV_MAC(acc, b, p) _mm256_add_epi32(acc, _mm256_madd_epi16(b, p))
+#define PV_MAC(acc, b, p) add32_into(acc, _mm256_madd_epi16(b, p))
 #endif
 #if MLAQ_ISA == MLAQ_AVX512VNNI
 /* zmm: one B pair vector covers the slab's 16 channels, P comes as an embedded broadcast, 32 registers hold 16 heads */
