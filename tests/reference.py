@@ -18,20 +18,28 @@ from mlaquant.quant.int8_quant import quantize_activation
 UNIT_ROUNDOFF = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
 
 
-def effective_query(q: Tensor, codec, fp16_query: bool = True) -> Tensor:
-    """The query the scores effectively use, FP32 [B, H, d_c + d_r]: integer parts `q8 * qs` (the kernels'
-    `quantize_query` with the part's grouping), fp16 parts rounded to FP16 when `fp16_query` (the Triton
-    kernel's fp16 dot; the CPU fast path multiplies float parts in FP32). An exact reference fed with it sees
-    the kernel's own arithmetic only, without the query quantization. `codec`: a `LayerCodec`."""
-    parts = []
-    for rc, x in zip((codec.ckv, codec.kpe), q.float().split([codec.ckv.width, codec.kpe.width], dim=-1)):
-        if rc.spec.kind in ("int8", "int4"):
-            q8, qs = quantize_query(x, rc.layout.group_size)
-            x = (q8.float().unflatten(-1, (-1, rc.layout.group_size)) * qs.unsqueeze(-1)).flatten(-2)
-        elif rc.spec.kind == "fp16" and fp16_query:
-            x = x.half().float()
-        parts.append(x)
-    return torch.cat(parts, dim=-1)
+def quantized_query(q: Tensor, slices: list[tuple[int, int, int]]) -> Tensor:
+    """q FP32 [B, H, D] with each (first channel, channels, group size) slice replaced by the `q8 * qs` that the
+    kernels' `quantize_query` makes of it (`cpu_quantized_slices` gives the fast CPU path's); other channels as
+    given. An exact reference fed with it sees the kernel's own arithmetic only, without the query quantization."""
+    x = q.float().clone()
+    for start, width, group in slices:
+        q8, qs = quantize_query(x[..., start : start + width], group)
+        x[..., start : start + width] = (q8.float().unflatten(-1, (-1, group)) * qs.unsqueeze(-1)).flatten(-2)
+    return x
+
+
+def effective_query(q: Tensor, codec) -> Tensor:
+    """The query the Triton kernel's scores effectively use, FP32 [B, H, d_c + d_r]: integer parts `q8 * qs`
+    (`quantized_query` with each part's grouping), fp16 parts rounded to FP16 (its fp16 dot). `codec`: a
+    `LayerCodec`."""
+    x = quantized_query(q, cpu_quantized_slices(codec, c_kernels=False))
+    start = 0
+    for rc in (codec.ckv, codec.kpe):
+        if rc.spec.kind == "fp16":
+            x[..., start : start + rc.width] = x[..., start : start + rc.width].half().float()
+        start += rc.width
+    return x
 
 
 def kernel_reference(

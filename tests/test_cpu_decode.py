@@ -13,7 +13,7 @@ import torch
 from mlaquant import DecodeSession
 from mlaquant.attention import backends, native, ops
 from mlaquant.attention.backends import CpuBackend, resolve_backend
-from mlaquant.attention.cpu_decode import mla_decode_cpu, pv_kind, quantize_query
+from mlaquant.attention.cpu_decode import mla_decode_cpu, pv_kind
 from mlaquant.attention.decode_inputs import DecodeInputs
 from mlaquant.attention.ops import mla_decode
 from mlaquant.attention.reference import mla_decode_reference
@@ -21,7 +21,7 @@ from mlaquant.errors import BackendError
 from mlaquant.modeling.int8_proj import grouped_int8_matmul, quantize_grouped
 from mlaquant.quant.codecs import LayerCodec, packed_as
 from mlaquant.runtime.session import generate
-from tests.reference import cpu_error_bound, cpu_quantized_slices
+from tests.reference import cpu_error_bound, cpu_quantized_slices, quantized_query
 
 D_C, D_R, H, PAGE = 64, 16, 4, 16
 SCALE = 0.17
@@ -80,16 +80,6 @@ def _row_scales(codec: LayerCodec, rows: torch.Tensor) -> torch.Tensor | None:
                      torch.float16).float()
 
 
-def _effective_query(q: torch.Tensor, codec: LayerCodec, c_kernels: bool) -> torch.Tensor:
-    """The query the fast path's scores use, FP32 [B, H, d_c + d_r]: q8 · qs on every slice it quantizes
-    (`cpu_quantized_slices`: integer parts, and each band of a band c_kv the C kernels read), float parts as given."""
-    x = q.float().clone()
-    for start, w, g in cpu_quantized_slices(codec, c_kernels):
-        q8, qs = quantize_query(x[..., start : start + w], g)
-        x[..., start : start + w] = (q8.float().unflatten(-1, (-1, g)) * qs.unsqueeze(-1)).flatten(-2)
-    return x
-
-
 @pytest.mark.parametrize("names", CODECS, ids=lambda n: "/".join(n))
 @pytest.mark.parametrize("block_tokens, group", [(16, 1), (16, 8), (1024, 2)])
 @pytest.mark.parametrize("c_kernels", [True, False], ids=["c-kernels", "torch-ops"])
@@ -112,7 +102,7 @@ def test_fast_path_within_stated_bound_of_reference(names, block_tokens, group, 
         assert (out - ref_out).abs().max() > 1e-6
     # without the query quantization, the scores are exact up to FP32 rounding (the INT32 dots are exact)
     # and the output moves only by FP32 rounding and, for row-wise integer c_kv, the P·V digit term
-    q_eff = _effective_query(q, codec, c_kernels)
+    q_eff = quantized_query(q, cpu_quantized_slices(codec, c_kernels))
     ref_out, ref_lse = mla_decode_reference(DecodeInputs(q_eff, pool, table, lens, codec, D_C), SCALE)
     torch.testing.assert_close(lse[~empty], ref_lse[~empty], rtol=1e-5, atol=1e-5)
     _, d_exact = cpu_error_bound(q_eff, decoded, codec, D_C, SCALE, scales, quantized_query=False,
