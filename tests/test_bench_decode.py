@@ -35,7 +35,7 @@ def test_attention_bench_batch_axis_rows_per_codec_and_path(capsys):
     from mlaquant.attention import native
     from mlaquant.bench import attention as bench_attention
 
-    rows = bench_attention.bench_attention([1, 2], [64], ["fp16", "int8"], steps=1)
+    rows = bench_attention.bench_attention([1, 2], [64], ["fp16", "int8"], steps=1, min_call_s=0)
     paths = {"fp16": ("reference", "fast", "auto"),
              "int8": ("reference", "fast", "auto", *(("fast torch-ops",) if native.kernels() else ()))}
     assert [(r["batch"], r["codec"], r["path"]) for r in rows] == [
@@ -46,15 +46,42 @@ def test_attention_bench_batch_axis_rows_per_codec_and_path(capsys):
         assert r["s"] > 0 and r["bound_s"] > 0 and r["vs_bound"] == pytest.approx(r["s"] / r["bound_s"])
         assert 0 < r["min_s"] <= r["s"]
     assert rows[0]["vs_reference"] == 1.0 and rows[1]["vs_base_fast"] == 1.0
+    for r in rows:  # the auto rows name what auto ran, by the routing of this machine
+        assert ("runs" in r) == (r["path"] == "auto")
+        if r["path"] == "auto":
+            assert r["runs"] in ("torch", "cpu") and f"| auto ({r['runs']}) |" in bench_attention.format_row(r)
     header = bench_attention.format_header().splitlines()[0]
     assert header.count("|") == bench_attention.format_row(rows[0]).count("|")
+
+
+def test_timed_rounds_go_past_steps_until_each_call_has_run_min_call_s(monkeypatch):
+    """On a fake clock where every timed call takes 5 ms: 3 rounds when that is enough, else rounds until the
+    calls' timed runs add up to min_call_s (20 rounds for 0.1 s), each timed call after an untimed one."""
+    from mlaquant.bench import attention as bench_attention
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(bench_attention.time, "perf_counter", lambda: next(clock) * 0.005)
+    made = {"a": 0, "b": 0}
+
+    def call(name):
+        def fn():
+            made[name] += 1
+        return fn
+
+    calls = {name: call(name) for name in made}
+    for min_call_s, rounds in ((0.0, 3), (0.014, 3), (0.016, 4), (0.099, 20)):
+        made.update(a=0, b=0)
+        out = bench_attention._timed_rounds(calls, 3, min_call_s)
+        assert made == {"a": 2 * rounds, "b": 2 * rounds}
+        assert out["a"] == pytest.approx((0.005, 0.005)) and out["b"] == pytest.approx((0.005, 0.005))
 
 
 def test_attention_bench_fast_block_rows_and_bad_option_exits_nonzero(capsys):
     from mlaquant.bench import attention as bench_attention
     from mlaquant.cli import main
 
-    rows = bench_attention.bench_attention([2], [128], ["int8-row"], steps=1, fast_blocks=[(64, 1), (128, 2)])
+    rows = bench_attention.bench_attention([2], [128], ["int8-row"], steps=1, fast_blocks=[(64, 1), (128, 2)],
+                                          min_call_s=0)
     assert [r["path"] for r in rows][:5] == ["reference", "fast", "auto", "fast 64x1", "fast 128x2"]
     assert all(r["s"] > 0 for r in rows)
     assert main(["bench", "decode", "--batch", "1", "--contexts", "64", "--fast-blocks", "1024"]) != 0
@@ -65,7 +92,7 @@ def test_attention_bench_times_integer_codecs_with_and_without_the_c_kernels():
     from mlaquant.attention import native
     from mlaquant.bench import attention as bench_attention
 
-    rows = bench_attention.bench_attention([1], [64], ["fp16", "int4-row"], steps=1)
+    rows = bench_attention.bench_attention([1], [64], ["fp16", "int4-row"], steps=1, min_call_s=0)
     paths = [(r["codec"], r["path"]) for r in rows]
     torch_rows = [("int4-row", "fast torch-ops")] if native.kernels() else []
     assert paths == [("fp16", "reference"), ("fp16", "fast"), ("fp16", "auto"), ("int4-row", "reference"),

@@ -1,20 +1,20 @@
 """`mlaquant bench decode --batch 1,16`: one decode-attention call (`ops.mla_decode`, DeepSeek-V2-Lite
 attention shapes H 16, d_c 512, d_r 64) per batch × context × codec × path ("reference" = backend torch,
 "fast" = backend cpu: integer parts by the C kernels of `mlaquant.attention.native` where they build; "auto" = backend
-auto, what this machine's routing rule picks, `backends.cpu_routing`; "fast BxG" = the fast path with B tokens per
-sequence and block, G sequences per group, for tuning `cpu_decode`'s defaults; "fast torch-ops" = the fast path
-with torch ops instead of the C kernels (`torch._int_mm`, the int4 unpack still in C), for codecs with an integer
-part where the kernels build), against the machine's bound measured in the same run. The first line printed
-names torch's CPU capability, the kernels' ISA variant and the routing rule.
+auto, what this machine's routing rule picks, `backends.cpu_routing`, printed "auto (torch)" or "auto (cpu)";
+"fast BxG" = the fast path with B tokens per sequence and block, G sequences per group, for tuning `cpu_decode`'s
+defaults; "fast torch-ops" = the fast path with torch ops instead of the C kernels (`torch._int_mm`, the int4 unpack
+still in C), for codecs with an integer part where the kernels build), against the machine's bound measured in the
+same run. The first line printed names torch's CPU capability, the kernels' ISA variant and the routing rule.
 
 Every sequence of a batch holds `context` random latent rows on shuffled 64-token pages. Rows: median
-ms per call over `steps` rounds, each round calling every codec and path of the batch and context in turn
-(`_timed_rounds`), fast / reference of the same codec, fast / fast of the first codec (the base, fp16),
-the fastest round and its ratio to the base's fastest, and the bound: max(cache bytes / bandwidth,
-FLOPs / peak) with the bandwidth from a large-copy probe, the peak from an FP32 GEMM probe (float scores,
-P·V of float caches and of grouped ones without the C kernels) and an int8 GEMM probe (the C kernels' `dots`
-where they build, else `torch._int_mm`: integer scores, and P·V on the codes at half that rate: int16 P or two
-int8 digits).
+ms per call over `steps` rounds or more (until each call's runs add up to `MIN_CALL_S`), each round calling
+every codec and path of the batch and context in turn (`_timed_rounds`), fast / reference of the same codec,
+fast / fast of the first codec (the base, fp16), the fastest round and its ratio to the base's fastest, and the
+bound: max(cache bytes / bandwidth, FLOPs / peak) with the bandwidth from a large-copy probe, the peak from an FP32
+GEMM probe (float scores, P·V of float caches and of grouped ones without the C kernels) and an int8 GEMM probe (the
+C kernels' `dots` where they build, else `torch._int_mm`: integer scores, and P·V on the codes at half that rate:
+int16 P or two int8 digits).
 """
 
 from __future__ import annotations
@@ -44,16 +44,22 @@ def _median(fn, n: int) -> float:
     return statistics.median(times)
 
 
-def _timed_rounds(calls: dict, n: int) -> dict:
-    """(median, fastest) seconds of each of `calls` (name → function) over n rounds, each round calling
+MIN_CALL_S = 0.2  # past --steps rounds, rounds go on until every call's timed runs add up to this
+
+
+def _timed_rounds(calls: dict, n: int, min_call_s: float = 0.0) -> dict:
+    """(median, fastest) seconds of each of `calls` (name → function) over at least n rounds, each round calling
     every function in turn, so drifts of the machine (other tenants) reach every configuration alike and
     the ratios compare like with like. Each timed call follows an untimed one of the same function: it finds
     the allocator and the caches as its own previous call left them (right after a reference call, which frees
-    hundreds of MB, a fast-path call runs slower: docs/cpu.md). The
-    fastest round is reported beside the median: other tenants only ever add time, so on a shared machine
-    it is the closer of the two to the code's own speed."""
+    hundreds of MB, a fast-path call runs slower: docs/cpu.md). Rounds continue past n until every function's
+    timed calls add up to `min_call_s`: a 3 ms call gets 67 rounds at 0.2 s, not 11 that a scheduler hiccup
+    can move by 20 %. The fastest round is reported beside the median: other tenants only ever add time, so on a
+    shared machine it is the closer of the two to the code's own speed."""
     times = {name: [] for name in calls}
-    for _ in range(n):
+    rounds = 0
+    while rounds < n or min(sum(ts) for ts in times.values()) < min_call_s:
+        rounds += 1
         for name, fn in calls.items():
             fn()
             t0 = time.perf_counter()
@@ -119,10 +125,12 @@ def _fast_variant(**options):
 
 def bench_attention(
     batches: list[int], contexts: list[int], codecs: list[str], steps: int,
-    fast_blocks: list[tuple[int, int]] = (),
+    fast_blocks: list[tuple[int, int]] = (), min_call_s: float = MIN_CALL_S,
 ) -> list[dict]:
-    """One dict per (batch, context, codec, path): ms, ratios, bound (see the module docstring).
-    fast_blocks: extra fast-path rows, one per (tokens per sequence and block, sequences per group)."""
+    """One dict per (batch, context, codec, path): ms, ratios, bound (see the module docstring); the "auto" rows
+    also name the backend auto ran ("runs": torch or cpu, `backends.choose_backend`).
+    fast_blocks: extra fast-path rows, one per (tokens per sequence and block, sequences per group).
+    min_call_s: rounds go past `steps` until each call's timed runs add up to this (`_timed_rounds`)."""
     paths = {path: (mla_decode, backend) for path, backend in PATHS.items()}
     paths.update({f"fast {bt}x{g}": (_fast_variant(block_tokens=bt, group=g), "cpu") for bt, g in fast_blocks})
     print(describe_machine(), flush=True)
@@ -135,11 +143,12 @@ def bench_attention(
     results = []
     for batch in batches:
         for context in contexts:
-            calls, bounds = {}, {}
+            calls, bounds, auto_runs = {}, {}, {}
             for name in codecs:
                 codec = LayerCodec.from_names(*split_pair(name), D_C, D_R)
                 q, pool, table, lens = _problem(codec, batch, context, seed=context)
                 bounds[name] = step_bound(codec, batch, context, probes)
+                auto_runs[name] = backends.choose_backend("auto", codec, q.device, lens).name.value
                 mine = dict(paths)
                 integer = {codec.ckv.spec.kind, codec.kpe.spec.kind} & {"int8", "int4"}
                 if integer and native.kernels() is not None:
@@ -149,9 +158,11 @@ def bench_attention(
                     calls[(name, path)] = lambda fn=fn, args=args: fn(*args)
             rows = [{"batch": batch, "context": context, "codec": name, "path": path, "s": sec,
                      "min_s": best, "bound_s": bounds[name]}
-                    for (name, path), (sec, best) in _timed_rounds(calls, steps).items()]
+                    for (name, path), (sec, best) in _timed_rounds(calls, steps, min_call_s).items()]
             by = {(r["codec"], r["path"]): r for r in rows}
             for r in rows:
+                if r["path"] == "auto":
+                    r["runs"] = auto_runs[r["codec"]]
                 r["vs_reference"] = r["s"] / by[(r["codec"], "reference")]["s"]
                 r["vs_base_fast"] = r["s"] / by[(codecs[0], "fast")]["s"]
                 r["min_vs_base_fast"] = r["min_s"] / by[(codecs[0], "fast")]["min_s"]
@@ -166,11 +177,11 @@ def bench_attention(
 PROJECTIONS = (("q_nope·W_UK", HEADS, 128, D_C), ("W_UV", HEADS, D_C, 128), ("o_proj", 1, HEADS * 128, 2048))
 
 
-def bench_projections(batches: list[int], steps: int) -> list[dict]:
+def bench_projections(batches: list[int], steps: int, min_call_s: float = MIN_CALL_S) -> list[dict]:
     """The W8A8 projections as a layer runs them (`int8_proj.Int8Weight`, backend "cpu", weights packed before the
     rounds: activation quantization, the exact INT32 GEMM, the FP32 epilogue) against the FP32 GEMM of the same
     shapes (`torch.bmm` on FP32 weights), one dict per (batch, projection) of `PROJECTIONS` and their sum per batch
-    ("layer (sum)", shape None): median and fastest seconds of each over interleaved rounds."""
+    ("layer (sum)", shape None): median and fastest seconds of each over interleaved rounds (`_timed_rounds`)."""
     from mlaquant.modeling.int8_proj import Int8Weight
 
     rows = []
@@ -183,7 +194,7 @@ def bench_projections(batches: list[int], steps: int) -> list[dict]:
             wt = w.transpose(1, 2).contiguous()  # [G, K, N]
             calls = {"int8_matmul": lambda x=x, w8=w8: w8(x, backend="cpu"),
                      "fp32": lambda x=x, wt=wt: torch.bmm(x.transpose(0, 1), wt)}
-            t = _timed_rounds(calls, steps)
+            t = _timed_rounds(calls, steps, min_call_s)
             rows.append({"batch": batch, "projection": name, "shape": [g, k, n],
                          "int8_s": t["int8_matmul"][0], "int8_min_s": t["int8_matmul"][1],
                          "fp32_s": t["fp32"][0], "fp32_min_s": t["fp32"][1]})
@@ -212,7 +223,8 @@ def format_header() -> str:
 
 
 def format_row(r: dict) -> str:
-    cells = [str(r["batch"]), str(r["context"]), r["codec"], r["path"], f"{r['s'] * 1e3:.2f}",
+    path = f"{r['path']} ({r['runs']})" if "runs" in r else r["path"]
+    cells = [str(r["batch"]), str(r["context"]), r["codec"], path, f"{r['s'] * 1e3:.2f}",
              f"{r['vs_reference']:.2f}", f"{r['vs_base_fast']:.2f}", f"{r['min_s'] * 1e3:.2f}",
              f"{r['min_vs_base_fast']:.2f}", f"{r['bound_s'] * 1e3:.2f}", f"{r['vs_bound']:.1f}"]
     return "| " + " | ".join(cells) + " |"

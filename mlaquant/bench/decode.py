@@ -57,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse._SubParsersAction:
     d = sub.add_parser("decode", help="decode step time: ours vs transformers (CPU ok)")
     d.add_argument("--contexts", default="1024,4096,16384", help="comma-separated context lengths")
     d.add_argument("--layers", type=int, default=2)
-    d.add_argument("--steps", type=int, default=11, help="timed decode steps per configuration (median)")
+    d.add_argument("--steps", type=int, default=11,
+                   help="timed decode steps per configuration (median); with --batch, at least this many rounds, "
+                   "more until each call has run 0.2 s")
     d.add_argument("--codecs", default="fp16,int8,int4", help="our cache codecs to time (first is the base)")
     d.add_argument(
         "--intermediate-size",
