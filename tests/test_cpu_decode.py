@@ -133,6 +133,7 @@ def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_referen
             assert torch.equal(a, b), backend
     if native.chosen_isa() in native.VECTOR_ISAS:
         monkeypatch.setitem(backends.CPU_NATIVE_MIN_MEAN, native.chosen_isa(), 26)  # 26.5 per sequence: auto goes fast
+        monkeypatch.setattr(backends, "native_faster", lambda *key: True)  # ... where the codec's probe says so
         for a, b in zip(mla_decode(q, pool, table, lens, codec, D_C, SCALE), fast):
             assert torch.equal(a, b)
 
@@ -157,10 +158,52 @@ def test_dispatch_auto_takes_cpu_path_from_its_crossover_and_torch_stays_referen
     (NEITHER, ("fp16", "int4-row"), [16384] * 16, False),
     (NEITHER, ("fp16", "fp16"), [512] * 16, True),  # float ones: FP32 GEMMs as anywhere
 ])
-def test_cpu_backend_takes_calls_by_the_rule_of_the_machine(routing, names, lens, fast):
+def test_cpu_backend_takes_calls_by_the_rule_of_the_machine(monkeypatch, routing, names, lens, fast):
+    monkeypatch.setattr(backends, "native_faster", lambda *key: True)  # the probe near the threshold: next test
     codec = LayerCodec.from_names(*names, 512, 64)
     reason = CpuBackend(routing).supports(codec, torch.device("cpu"), torch.tensor(lens, dtype=torch.int32))
     assert (reason is None) is fast, reason
+
+
+def test_near_the_threshold_the_c_kernels_run_where_the_codecs_probe_measured_them_faster(monkeypatch):
+    """From CPU_NATIVE_MIN_MEAN to CPU_NATIVE_PROBE_BELOW tokens per sequence, auto asks `native_faster` for the
+    codec at min(sequences, threads) sequences of the mean rounded down to a power of two; elsewhere it asks
+    nothing."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    codec = LayerCodec.from_names("int8-g64", "int8-g64", 512, 64)
+    asked = []
+    for faster in (True, False):
+        monkeypatch.setattr(backends, "native_faster", lambda *key, faster=faster: asked.append(key) or faster)
+        for lens, key in (([4096], (1, 4096)), ([3000, 0, 3000, 3000], (2, 2048)), ([9000, 7000], (2, 4096))):
+            reason = NATIVE.takes(codec, torch.tensor(lens, dtype=torch.int32))
+            assert (reason is None) is faster and asked.pop() == ("int8-g64/int8-row", 512, 64, *key)
+            assert faster or "the reference measured faster here for int8-g64/int8-row" in reason
+        assert NATIVE.takes(codec, torch.tensor([8192], dtype=torch.int32)) is None  # past the band: fast, unasked
+        assert NATIVE.takes(codec, torch.tensor([2000], dtype=torch.int32)) is not None  # below it: the reference
+        assert not asked
+
+
+def test_the_codecs_probe_picks_the_faster_path_once_per_class(monkeypatch):
+    """`native_faster` times both paths (here: sleeps) on a synthetic cache of the class and caches the answer."""
+    calls = []
+
+    def timed(path, slow):
+        return lambda inputs, scale: calls.append((path, tuple(inputs.seq_lens.tolist()))) or time.sleep(
+            0.004 if path == slow else 0.0)
+
+    for slow, want in (("fast", False), ("reference", True)):
+        monkeypatch.setattr(backends.cpu_decode, "mla_decode_cpu", timed("fast", slow))
+        monkeypatch.setattr(backends, "mla_decode_reference", timed("reference", slow))
+        backends.native_faster.cache_clear()
+        calls.clear()
+        assert backends.native_faster("int4-row/int8-row", 512, 64, 2, 128) is want
+        assert backends.native_faster("int4-row/int8-row", 512, 64, 2, 128) is want  # cached: no new calls
+        assert calls == [("fast", (128, 128)), ("reference", (128, 128))] * 4  # one untimed, three timed each
+    monkeypatch.undo()
+    backends.native_faster.cache_clear()
+    if native.vector_kernels() is not None:  # the real paths run on the probe's synthetic cache
+        assert backends.native_faster("int8-g64/int4-row", 512, 64, 1, 64) in (True, False)
+        backends.native_faster.cache_clear()
 
 
 def test_routing_follows_the_capability(monkeypatch, fresh_native_build):

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import importlib
+import math
 import os
+import time
 
 import torch
 from torch import Tensor
@@ -27,7 +30,7 @@ from mlaquant.attention.buffers import Buffers
 from mlaquant.attention.decode_inputs import DecodeInputs
 from mlaquant.attention.reference import mla_decode_reference
 from mlaquant.errors import BackendError
-from mlaquant.quant.codecs import LayerCodec
+from mlaquant.quant.codecs import LayerCodec, split_pair
 
 # where "auto" on CPU takes the fast path (`CpuBackend.supports`, by the rule of `cpu_routing`; the measurements
 # behind each threshold, on an AVX-512 VNNI CPU and under ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2:
@@ -36,6 +39,9 @@ CPU_FAST_MIN_TOKENS = 8192  # cached tokens per call (all sequences together): a
 # a codec with an integer part read by the C kernels: this many tokens per non-empty sequence on average, by ISA
 # variant (avxvnni not measured: the avx2 figure)
 CPU_NATIVE_MIN_MEAN = {"avx512vnni": 1024, "avxvnni": 2048, "avx2": 2048}
+# ... and below this many per sequence, only where a one-time probe of the codec measured them faster here
+# (`native_faster`): near the threshold the two are within 10-20 % and which one wins moves with the host's load
+CPU_NATIVE_PROBE_BELOW = 8192
 # an integer c_kv through torch._int_mm (no C kernels; only where torch's int8 GEMM has VNNI):
 CPU_FAST_ROW_MEAN = 2048  # a row-wise one: CPU_FAST_MIN_TOKENS in all, or this many per sequence on average
 CPU_FAST_GROUPED_TOKENS = 16384  # a grouped one: this many in all ...
@@ -109,9 +115,10 @@ class CpuRouting:
     def describe(self) -> str:
         integer = {
             "native": f"integer caches by the {self.native_isa} C kernels from "
-                      f"{CPU_NATIVE_MIN_MEAN.get(self.native_isa, 2048)} tokens per sequence, fewer sequences than "
-                      f"{torch.get_num_threads()} threads on {cpu_decode.split_threads(torch.get_num_threads())} "
-                      "(probed)",
+                      f"{CPU_NATIVE_MIN_MEAN.get(self.native_isa, 2048)} tokens per sequence (below "
+                      f"{CPU_NATIVE_PROBE_BELOW} where a probe of the codec measures them faster), fewer sequences "
+                      f"than {torch.get_num_threads()} threads on "
+                      f"{cpu_decode.split_threads(torch.get_num_threads())} (probed)",
             "int_mm": "integer caches by torch._int_mm (VNNI) from the measured thresholds",
             "reference": "integer caches on the reference (no C kernels, and torch's int8 GEMM has no VNNI here)",
         }[self.integer]
@@ -121,7 +128,8 @@ class CpuRouting:
     def takes(self, codec: LayerCodec, seq_lens: Tensor) -> str | None:
         """None when the fast path is faster here for a call over seq_lens int [B], else why the reference runs: a
         codec with an integer part only where the C kernels run (a vector ISA) — from `CPU_NATIVE_MIN_MEAN[isa]`
-        tokens per non-empty sequence on average — or where torch's int8 GEMM has VNNI (at most
+        tokens per non-empty sequence on average, and below `CPU_NATIVE_PROBE_BELOW` where `native_faster` measured
+        it faster — or where torch's int8 GEMM has VNNI (at most
         `CPU_INT_MM_MAX_GROUPS` stored groups per integer part, the `CPU_FAST_*` thresholds), never otherwise; a
         float codec from `CPU_FAST_MIN_TOKENS` in all."""
         live = seq_lens[seq_lens > 0]
@@ -132,7 +140,15 @@ class CpuRouting:
         if not ints:
             return None if total >= CPU_FAST_MIN_TOKENS else short
         if self.integer == "native":
-            return None if mean >= CPU_NATIVE_MIN_MEAN.get(self.native_isa, 2048) else short
+            floor = CPU_NATIVE_MIN_MEAN.get(self.native_isa, 2048)
+            if mean < floor:
+                return short
+            if mean < CPU_NATIVE_PROBE_BELOW:
+                sequences, tokens = min(live.numel(), torch.get_num_threads()), 1 << (int(mean).bit_length() - 1)
+                if not native_faster(codec.name, codec.ckv.width, codec.kpe.width, sequences, tokens):
+                    return (f"the reference measured faster here for {codec.name} at {sequences} x {tokens} tokens "
+                            f"(probe; {self.describe()})")
+            return None
         if self.integer == "reference":
             return f"integer parts stay on the reference here ({self.describe()})"
         if any(rc.layout.n_groups > CPU_INT_MM_MAX_GROUPS for rc in ints):
@@ -145,6 +161,36 @@ class CpuRouting:
         else:
             fast = total >= CPU_FAST_GROUPED_TOKENS and mean >= CPU_FAST_MIN_MEAN
         return None if fast else short
+
+
+PROBE_HEADS = 16  # the probe's query heads (DeepSeek-V2-Lite's)
+
+
+@functools.cache
+def native_faster(codec_name: str, d_c: int, d_r: int, sequences: int, tokens: int) -> bool:
+    """Whether the fast path (the C kernels) beats the reference on this machine for the codec `codec_name`
+    ('<ckv>/<kpe>', widths d_c, d_r) at `sequences` sequences of `tokens` cached tokens, `PROBE_HEADS` heads: a
+    one-time probe per process and class (the values do not move the times: random rows), the fastest of three
+    interleaved calls each way after one untimed call of each (its first fast call runs the threads probe,
+    `cpu_decode.split_threads`): 40–350 ms a class at 1–2 sequences of 2,048–4,096 tokens on a 2-core Zen 3."""
+    codec = LayerCodec.from_names(*split_pair(codec_name), d_c, d_r)
+    g, page = torch.Generator().manual_seed(0), 64
+    pages = sequences * -(-tokens // page)
+    pool = codec.encode(torch.randn(pages * page, codec.width, generator=g)).view(pages, page, codec.row_bytes)
+    table = torch.arange(pages, dtype=torch.int32).view(sequences, -1)
+    q = torch.randn(sequences, PROBE_HEADS, codec.width, generator=g) * d_c**-0.5
+    inputs = DecodeInputs(q, pool, table, torch.full((sequences,), tokens, dtype=torch.int32), codec, d_c)
+    calls = {"fast": lambda: cpu_decode.mla_decode_cpu(inputs, d_c**-0.5),
+             "reference": lambda: mla_decode_reference(inputs, d_c**-0.5)}
+    best = dict.fromkeys(calls, math.inf)
+    for call in calls.values():
+        call()
+    for _ in range(3):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best["fast"] <= best["reference"]
 
 
 def torch_int8_vnni() -> bool:
