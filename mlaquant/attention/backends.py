@@ -163,23 +163,14 @@ class CpuRouting:
         return None if fast else short
 
 
-PROBE_HEADS = 16  # the probe's query heads (DeepSeek-V2-Lite's)
-
-
 @functools.cache
 def native_faster(codec_name: str, d_c: int, d_r: int, sequences: int, tokens: int) -> bool:
     """Whether the fast path (the C kernels) beats the reference on this machine for the codec `codec_name`
-    ('<ckv>/<kpe>', widths d_c, d_r) at `sequences` sequences of `tokens` cached tokens, `PROBE_HEADS` heads: a
-    one-time probe per process and class (the values do not move the times: random rows), the fastest of three
-    interleaved calls each way after one untimed call of each (its first fast call runs the threads probe,
-    `cpu_decode.split_threads`): 40–350 ms a class at 1–2 sequences of 2,048–4,096 tokens on a 2-core Zen 3."""
-    codec = LayerCodec.from_names(*split_pair(codec_name), d_c, d_r)
-    g, page = torch.Generator().manual_seed(0), 64
-    pages = sequences * -(-tokens // page)
-    pool = codec.encode(torch.randn(pages * page, codec.width, generator=g)).view(pages, page, codec.row_bytes)
-    table = torch.arange(pages, dtype=torch.int32).view(sequences, -1)
-    q = torch.randn(sequences, PROBE_HEADS, codec.width, generator=g) * d_c**-0.5
-    inputs = DecodeInputs(q, pool, table, torch.full((sequences,), tokens, dtype=torch.int32), codec, d_c)
+    ('<ckv>/<kpe>', widths d_c, d_r) at `sequences` sequences of `tokens` cached tokens (`cpu_decode.probe_inputs`):
+    a one-time probe per process and class, the fastest of three interleaved calls each way after one untimed call
+    of each (its first fast call runs the threads probe, `cpu_decode.split_threads`): 40–350 ms a class at 1–2
+    sequences of 2,048–4,096 tokens on a 2-core Zen 3."""
+    inputs = cpu_decode.probe_inputs(LayerCodec.from_names(*split_pair(codec_name), d_c, d_r), sequences, tokens)
     calls = {"fast": lambda: cpu_decode.mla_decode_cpu(inputs, d_c**-0.5),
              "reference": lambda: mla_decode_reference(inputs, d_c**-0.5)}
     best = dict.fromkeys(calls, math.inf)

@@ -558,17 +558,28 @@ def split_threads(threads: int) -> int:
     the threads waiting between stages slow the working one (docs/cpu.md has the measurements)."""
     if threads <= 1 or native.vector_kernels() is None:
         return max(1, threads)
-    codec = LayerCodec.from_names("int8-row", "int8-row", 512, 64)
-    g = torch.Generator().manual_seed(0)
-    pool = codec.encode(torch.randn(2048, codec.width, generator=g)).view(32, 64, codec.row_bytes)
-    table, lens = torch.arange(32, dtype=torch.int32)[None], torch.tensor([2048], dtype=torch.int32)
-    inputs = DecodeInputs(torch.randn(1, 16, codec.width, generator=g), pool, table, lens, codec, 512)
+    inputs = probe_inputs(LayerCodec.from_names("int8-row", "int8-row", 512, 64), 1, 2048)
     best = {threads: math.inf, 1: math.inf}
     for team in (threads, 1) * 3:
         start = time.perf_counter()
         mla_decode_cpu(inputs, 0.04, threads=team)
         best[team] = min(best[team], time.perf_counter() - start)
     return threads if best[threads] <= best[1] else 1
+
+
+PROBE_HEADS = 16  # the probes' query heads (DeepSeek-V2-Lite's)
+
+
+def probe_inputs(codec: LayerCodec, sequences: int, tokens: int) -> DecodeInputs:
+    """A synthetic call for the one-time timing probes (`split_threads`, `backends.native_faster`): `sequences`
+    sequences of `tokens` random rows of `codec` on 64-token pages in order, q [sequences, PROBE_HEADS, width] scaled
+    by d_c^-0.5 (the values do not move the times)."""
+    g, page = torch.Generator().manual_seed(0), 64
+    pages = sequences * -(-tokens // page)
+    pool = codec.encode(torch.randn(pages * page, codec.width, generator=g)).view(pages, page, codec.row_bytes)
+    table = torch.arange(pages, dtype=torch.int32).view(sequences, -1)
+    q = torch.randn(sequences, PROBE_HEADS, codec.width, generator=g) * codec.ckv.width**-0.5
+    return DecodeInputs(q, pool, table, torch.full((sequences,), tokens, dtype=torch.int32), codec, codec.ckv.width)
 
 
 def _rows(query, begin: int, end: int):
