@@ -163,3 +163,23 @@ def test_the_command_puts_large_tensors_on_huge_pages_unless_told_otherwise(tmp_
         monkeypatch.delenv("THP_MEM_ALLOC_ENABLE")
     assert main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == kept
+
+
+def test_top_level_kernels_from_a_checkout_root_is_the_installed_one():
+    """`python -c` / `python -m` from the checkout's root put it first on sys.path, where kernels/ (installed as
+    `mlaquant.kernels`) takes the name of Hugging Face's `kernels` that transformers imports: transformers' model
+    code still loads and `kernels` is the installed package; with none installed it stays this checkout's."""
+    root = Path(__file__).resolve().parents[1]
+    ours = str(root / "kernels" / "__init__.py")
+    here = "import kernels; print(kernels.__file__)"
+    bare = "import sys; sys.path[:] = [p for p in sys.path if 'site-packages' not in p]; " + here
+    proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.strip() == ours, proc.stderr
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("Hugging Face's kernels is not installed (transformers before 5.25 does not need it)")
+    proc = subprocess.run([sys.executable, "-c", "import transformers.modeling_utils; " + here],
+                          capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stderr.strip().splitlines()[-1:]
+    assert proc.stdout.strip() != ours and Path(proc.stdout.strip()).is_file()
