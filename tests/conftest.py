@@ -106,11 +106,14 @@ def synthetic():
 
 @pytest.fixture
 def fresh_native_build(monkeypatch):
-    """`mlaquant.attention.native` unbuilt (its build is cached per process) under this test's monkeypatches (the
-    fixture's value: set MLAQUANT_NATIVE / CC with it), rebuilt as it was afterwards."""
-    from mlaquant.attention import native
+    """`mlaquant.attention.native` unbuilt and the routing of "auto" unread (both are cached per process:
+    `backends.cpu_routing`) under this test's monkeypatches (the fixture's value: set MLAQUANT_NATIVE / CC with it),
+    rebuilt as they were afterwards."""
+    from mlaquant.attention import backends, native
 
     native._library.cache_clear()
+    backends.cpu_routing.cache_clear()
     yield monkeypatch
     monkeypatch.undo()
     native._library.cache_clear()
+    backends.cpu_routing.cache_clear()

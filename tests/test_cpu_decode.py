@@ -215,6 +215,8 @@ def test_routing_follows_the_capability(monkeypatch, fresh_native_build):
     assert routing.integer == ("native" if native.runnable("avx2") else "reference")
     assert routing.native_isa in (None, "scalar", "avx2", "avxvnni")  # never AVX-512 under an AVX2 capability
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert backends.cpu_routing() is routing  # read once per process
+    backends.cpu_routing.cache_clear()
     assert backends.cpu_routing().native_isa in (None, "scalar") and backends.cpu_routing().integer == "reference"
     assert "integer caches on the reference" in ops.describe_backend("auto", "cpu")
 

@@ -132,19 +132,22 @@ class CpuRouting:
         it faster — or where torch's int8 GEMM has VNNI (at most
         `CPU_INT_MM_MAX_GROUPS` stored groups per integer part, the `CPU_FAST_*` thresholds), never otherwise; a
         float codec from `CPU_FAST_MIN_TOKENS` in all."""
-        live = seq_lens[seq_lens > 0]
-        total = int(live.sum())
-        mean = total / max(1, live.numel())
-        short = f"the reference is faster here for {total} tokens over {live.numel()} sequences ({self.describe()})"
+        live = [n for n in seq_lens.tolist() if n > 0]  # one torch op: this runs before every decode call
+        total = sum(live)
+        mean = total / max(1, len(live))
+
+        def short() -> str:
+            return f"the reference is faster here for {total} tokens over {len(live)} sequences ({self.describe()})"
+
         ints = [rc for rc in (codec.ckv, codec.kpe) if rc.spec.kind in ("int8", "int4")]
         if not ints:
-            return None if total >= CPU_FAST_MIN_TOKENS else short
+            return None if total >= CPU_FAST_MIN_TOKENS else short()
         if self.integer == "native":
             floor = CPU_NATIVE_MIN_MEAN.get(self.native_isa, 2048)
             if mean < floor:
-                return short
+                return short()
             if mean < CPU_NATIVE_PROBE_BELOW:
-                sequences, tokens = min(live.numel(), torch.get_num_threads()), 1 << (int(mean).bit_length() - 1)
+                sequences, tokens = min(len(live), torch.get_num_threads()), 1 << (int(mean).bit_length() - 1)
                 if not native_faster(codec.name, codec.ckv.width, codec.kpe.width, sequences, tokens):
                     return (f"the reference measured faster here for {codec.name} at {sequences} x {tokens} tokens "
                             f"(probe; {self.describe()})")
@@ -160,7 +163,7 @@ class CpuRouting:
             fast = total >= CPU_FAST_MIN_TOKENS or mean >= CPU_FAST_ROW_MEAN
         else:
             fast = total >= CPU_FAST_GROUPED_TOKENS and mean >= CPU_FAST_MIN_MEAN
-        return None if fast else short
+        return None if fast else short()
 
 
 @functools.cache
@@ -193,8 +196,12 @@ def torch_int8_vnni() -> bool:
     return bool(probe()) if probe is not None else "avx512vnni" in native.cpu_features()
 
 
+@functools.cache
 def cpu_routing() -> CpuRouting:
-    """The routing rule "auto" follows on this CPU (cheap: every input is cached per process)."""
+    """The routing rule "auto" follows on this CPU, read once per process like the C kernels' build
+    (`native._library`; set MLAQUANT_NATIVE / MLAQUANT_NATIVE_ISA before the first decode call): it is asked
+    before every decode call, and building it costs 30–40 µs after a call has left the caches cold (docs/cpu.md,
+    Round 12). A test that changes its inputs clears it (`cpu_routing.cache_clear()`)."""
     return CpuRouting(torch.backends.cpu.get_cpu_capability(), native.chosen_isa(), torch_int8_vnni())
 
 
