@@ -10,7 +10,7 @@ whether they run compiled (CUDA) or in triton's CPU interpreter (TRITON_INTERPRE
 first imported). Callers go through `mlaquant.attention.ops`, which picks the backend. `mlaquant bench kernels`
 (`mlaquant.bench.kernels`; CUDA only, `--aot` compiles for a GPU on the CPU) times them.
 
-Top-level `kernels` is Hugging Face's package, which transformers (5.25 on) requires and imports. From a checkout's
+Top-level `kernels` is Hugging Face's package, which transformers 5.25 requires and imports. From a checkout's
 root (`python -m mlaquant`, `python -c`) this directory comes first on sys.path under that name; imported so, it
 loads the installed `kernels` in its place (`_hand_over`), or stays this package where none is installed.
 """

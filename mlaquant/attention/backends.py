@@ -113,17 +113,8 @@ class CpuRouting:
         return "int_mm" if self.torch_vnni else "reference"
 
     def describe(self) -> str:
-        integer = {
-            "native": f"integer caches by the {self.native_isa} C kernels from "
-                      f"{CPU_NATIVE_MIN_MEAN.get(self.native_isa, 2048)} tokens per sequence (below "
-                      f"{CPU_NATIVE_PROBE_BELOW} where a probe of the codec measures them faster), fewer sequences "
-                      f"than {torch.get_num_threads()} threads on "
-                      f"{cpu_decode.split_threads(torch.get_num_threads())} (probed)",
-            "int_mm": "integer caches by torch._int_mm (VNNI) from the measured thresholds",
-            "reference": "integer caches on the reference (no C kernels, and torch's int8 GEMM has no VNNI here)",
-        }[self.integer]
-        return (f"CPU capability {self.capability}, native {self.native_isa or 'none'}; {integer}; float caches by "
-                f"FP32 GEMMs from {CPU_FAST_MIN_TOKENS} tokens per call")
+        """The rule in words, for reports and for the reasons of `takes` (built once per thread count)."""
+        return _described(self, torch.get_num_threads())
 
     def takes(self, codec: LayerCodec, seq_lens: Tensor) -> str | None:
         """None when the fast path is faster here for a call over seq_lens int [B], else why the reference runs: a
@@ -164,6 +155,21 @@ class CpuRouting:
         else:
             fast = total >= CPU_FAST_GROUPED_TOKENS and mean >= CPU_FAST_MIN_MEAN
         return None if fast else short()
+
+
+@functools.cache
+def _described(routing: CpuRouting, threads: int) -> str:
+    if routing.integer == "native":
+        integer = (f"integer caches by the {routing.native_isa} C kernels from "
+                   f"{CPU_NATIVE_MIN_MEAN.get(routing.native_isa, 2048)} tokens per sequence (below "
+                   f"{CPU_NATIVE_PROBE_BELOW} where a probe of the codec measures them faster), fewer sequences "
+                   f"than {threads} threads on {cpu_decode.split_threads(threads)} (probed)")
+    elif routing.integer == "int_mm":
+        integer = "integer caches by torch._int_mm (VNNI) from the measured thresholds"
+    else:
+        integer = "integer caches on the reference (no C kernels, and torch's int8 GEMM has no VNNI here)"
+    return (f"CPU capability {routing.capability}, native {routing.native_isa or 'none'}; {integer}; float caches by "
+            f"FP32 GEMMs from {CPU_FAST_MIN_TOKENS} tokens per call")
 
 
 @functools.cache
