@@ -28,7 +28,10 @@ from mlaquant.modeling.stream import Store, StreamedModel
 from mlaquant.runtime.plan import Plan
 
 LAYERS = 4
-CALIBRATE_YAML = "samples: 8\nseq_len: 32\nval_samples: 4\ntest_samples: 4\nbatch_size: 3\n"
+CALIBRATE_YAML = (  # every stage runs, on windows small enough for CI (the default long ones: 2,048 tokens)
+    "samples: 8\nseq_len: 32\nval_samples: 4\ntest_samples: 4\nbatch_size: 3\n"
+    "long_seq_len: 128\nlong_test_samples: 2\nlong_window: 32\nshift_long_samples: 2\nshift_val_samples: 2\n"
+)
 
 
 @pytest.fixture(scope="module")
