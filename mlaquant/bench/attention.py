@@ -55,8 +55,8 @@ def _timed_rounds(calls: dict, n: int, min_call_s: float = 0.0) -> dict:
     hundreds of MB, a fast-path call runs slower: docs/cpu.md). Rounds continue past n until every function's
     timed calls add up to `min_call_s`: a 3 ms call gets 67 rounds at 0.2 s, not 11 that a scheduler hiccup
     can move by 20 %. Round r starts at the (r mod len(calls))-th function and goes on in turn, so each follows
-    every other alike: in a fixed order auto, timed right after the fast path of its codec, read 4–10 % slower than
-    the reference at batch 1 × 4k where it runs that very function (docs/cpu.md, Round 12). The fastest round is
+    every other alike and what one call leaves behind reaches all of them (a fixed order put auto after the fast
+    path of its codec in every round). The fastest round is
     reported beside the median: other tenants only ever add time, so on a shared machine it is the closer of the two
     to the code's own speed."""
     times = {name: [] for name in calls}
