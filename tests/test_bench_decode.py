@@ -76,6 +76,18 @@ def test_timed_rounds_go_past_steps_until_each_call_has_run_min_call_s(monkeypat
         assert out["a"] == pytest.approx((0.005, 0.005)) and out["b"] == pytest.approx((0.005, 0.005))
 
 
+def test_timed_rounds_start_each_round_one_call_further_along():
+    """Round r calls the functions from the (r mod n)-th on, so no call always follows the same other one; each
+    timed call still follows an untimed one of its own."""
+    from mlaquant.bench import attention as bench_attention
+
+    made = []
+    calls = {name: (lambda name=name: made.append(name)) for name in "abc"}
+    out = bench_attention._timed_rounds(calls, 4)
+    assert made == [x for r in ("abc", "bca", "cab", "abc") for name in r for x in (name, name)]
+    assert list(out) == ["a", "b", "c"]
+
+
 def test_attention_bench_fast_block_rows_and_bad_option_exits_nonzero(capsys):
     from mlaquant.bench import attention as bench_attention
     from mlaquant.cli import main
