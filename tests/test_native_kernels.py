@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mlaquant.attention import native
-from mlaquant.attention.cpu_decode import native_parts
+from mlaquant.attention.cpu_decode import native_parts, quantize_query
 from mlaquant.quant import band_codecs
 from mlaquant.quant.codecs import CodecSpec, RowCodec, packed_as
 
@@ -347,3 +347,26 @@ def test_exp2_close_to_torch_and_the_same_bits_in_every_variant(isa):
     assert total == (((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))).item()
     scalar, scalar_total = native.kernels("scalar").exp2(x + 1.5, 1.5)
     assert torch.equal(got, scalar) and total == scalar_total
+
+
+@ISAS
+@pytest.mark.parametrize("width, group_size", [(512, 512), (64, 64), (160, 32), (48, 12), (24, 4)])
+def test_query_quantization_bit_identical_to_quantize_query(isa, width, group_size):
+    """`Kernels.quantize` against `cpu_decode.quantize_query` then `qs * factor` (the route it replaced): a channel
+    slice of a wider query (rows strided), groups with vector tails and none, an all-zero group (scale 1), and exact
+    halves q / qs = k + 1/2 that round half to even (a group whose absmax is 127, so qs = 1)."""
+    kern = _variant(isa)
+    g = torch.Generator().manual_seed(width + group_size)
+    whole = torch.randn(3, 5, width + 40, generator=g) * 4
+    x = whole[..., 24 : 24 + width]
+    x[0, 1, :group_size] = 0.0
+    halves = torch.arange(group_size, dtype=torch.float32) % 9 - 4.5  # -4.5 .. 3.5, each k + 1/2
+    x[1, 2, :group_size] = halves
+    x[1, 2, 0] = 127.0
+    factor = 0.125 * 1.4426950408889634
+    q8, qs = kern.quantize(x, group_size, factor)
+    want_q8, want_qs = quantize_query(x, group_size)
+    assert q8.dtype == torch.int8 and q8.is_contiguous() and qs.is_contiguous()
+    assert torch.equal(q8, want_q8) and torch.equal(qs, want_qs * factor)
+    assert (qs[0, 1, 0] == factor).item() and (q8[0, 1, :group_size] == 0).all()
+    assert torch.equal(q8[1, 2, 1:group_size].float(), torch.round(halves[1:]))  # half to even: -4.5 → -4, 3.5 → 4

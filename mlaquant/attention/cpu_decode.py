@@ -241,8 +241,7 @@ class _CpuPart:
         bias · Σq8 int32 [B, n_g, H, 1] (unsigned int4, else None)); q8 is quantized from x itself, so it
         stays the kernel's."""
         if self.kern is not None:  # per C part: (q8 int8 [B, H, w], qs · factor fp32 [B, H, n_g]), stored order
-            quantized = (quantize_query(x[..., ch : ch + cp.width], cp.group_size) for cp, _, ch in self.cparts)
-            return [(q8.contiguous(), (qs * factor).contiguous()) for q8, qs in quantized]
+            return [self.kern.quantize(x[..., ch : ch + cp.width], cp.group_size, factor) for cp, _, ch in self.cparts]
         if not self.is_int:
             return (x * factor).contiguous()
         batch, heads, _ = x.shape
@@ -448,10 +447,12 @@ class _Group:
 
 def _finish(ckv: _CpuPart, m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tensor, Tensor]:
     """(out [n, H, d_c], lse [n, H]) of the sequences' running max m and sum [n, H] (base 2) and acc
-    [n, H, d_c] (in the codes' channel order, undone here)."""
+    [n, H, d_c] (in the codes' channel order, undone here): out a fresh tensor (acc may be a reused buffer), lse m's
+    storage."""
     if ckv.perm is not None:
-        acc = torch.empty_like(acc).index_copy_(2, ckv.perm, acc)
-    return acc.div_(total.unsqueeze(-1)), m.add_(torch.log2(total)).mul_(LN2)
+        return torch.empty_like(acc).index_copy_(2, ckv.perm, acc).div_(total.unsqueeze(-1)), m.add_(torch.log2(
+            total)).mul_(LN2)
+    return torch.div(acc, total.unsqueeze(-1)), m.add_(torch.log2(total)).mul_(LN2)
 
 
 def row_parts(codec: LayerCodec, device: torch.device, c_unpack: bool = True,
@@ -522,11 +523,10 @@ def mla_decode_cpu(
     parts = row_parts(codec, q.device, c_unpack, c_kernels)
     in_place = all(p.kern is not None for p in parts) and pool.is_contiguous()
     batch, heads, _ = q.shape
-    out = torch.zeros(batch, heads, d_c, device=q.device)
-    lse = torch.full((batch, heads), float("-inf"), device=q.device)
     order = sorted((b for b, n in enumerate(lens) if n), key=lambda b: -lens[b])
-    index = torch.tensor(order, dtype=torch.long, device=q.device)
-    x = q.float().index_select(0, index).split([p.rc.width for p in parts], dim=-1)
+    whole = order == list(range(batch))  # every sequence live and already longest first: nothing to reorder
+    index = None if whole else torch.tensor(order, dtype=torch.long, device=q.device)
+    x = (q.float() if whole else q.float().index_select(0, index)).split([p.rc.width for p in parts], dim=-1)
     queries = [p.query(xp, scale * LOG2E) for p, xp in zip(parts, x)]
     n, team = len(order), torch.get_num_threads()
     if in_place and 0 < n < team:  # before any shared buffer is taken: the first call's probe runs a decode of its own
@@ -537,7 +537,8 @@ def mla_decode_cpu(
     if in_place and n:
         block_tokens = max(pool.shape[1], block_tokens // pool.shape[1] * pool.shape[1])
         c_parts = [arg for p, qp in zip(parts, queries) for arg in p.c_args(qp)]
-        parts[0].kern.decode(pool, [torch.tensor(pages[b], dtype=torch.int64) for b in order], [lens[b] for b in order],
+        ids = torch.tensor([p for b in order for p in pages[b]], dtype=torch.int64)  # one tensor, a view per sequence
+        parts[0].kern.decode(pool, list(ids.split([len(pages[b]) for b in order])), [lens[b] for b in order],
                              block_tokens, c_parts, acc, m, total, tuple(ch for _, _, ch in parts[0].cparts), team)
     for g0 in range(0, 0 if in_place else n, group):  # torch-op blocks: gathered rows, in groups of sequences
         seqs = order[g0 : g0 + group]
@@ -546,6 +547,10 @@ def mla_decode_cpu(
         for blk in _group_blocks(pool, [pages[b] for b in seqs], [lens[b] for b in seqs], block_tokens, ws):
             runner.block(blk)
     o, s = _finish(parts[0], m, total, acc)
+    if whole:
+        return o, s
+    out = torch.zeros(batch, heads, d_c, device=q.device)
+    lse = torch.full((batch, heads), float("-inf"), device=q.device)
     return out.index_copy_(0, index, o), lse.index_copy_(0, index, s)
 
 

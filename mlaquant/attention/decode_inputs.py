@@ -90,7 +90,8 @@ class DecodeInputs:
         t_max = self.check_lens(min(lens), max(lens)) if lens else 0
         n_pages = -(-t_max // block_size)
         pages = [row[: -(-n // block_size)] for row, n in zip(self.block_table[:, :n_pages].tolist(), lens)]
-        if any(p < 0 or p >= num_blocks for row in pages for p in row):
+        read = [row for row in pages if row]
+        if read and (min(map(min, read)) < 0 or max(map(max, read)) >= num_blocks):
             raise ValueError(f"mla_decode: block_table names blocks outside [0, {num_blocks}) within seq_lens")
         return pages, lens
 

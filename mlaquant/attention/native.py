@@ -85,6 +85,7 @@ _SIGNATURES = {
     "mlaq_exp2": [_P, _I64, ctypes.c_float, _P, _P],
     "mlaq_decode": [_P, _I64, _I64, _I64, _P, _P, _I64, _INT, _P, _P, _P, _I64, _P, _I64, _P, _P, _INT, _P, _INT],
     "mlaq_w8a8": [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _INT],
+    "mlaq_quantize": [_P, _I64, _I64, _I64, _I64, ctypes.c_float, _P, _P],
 }
 
 
@@ -99,14 +100,21 @@ def _library(isa: str = "scalar") -> ctypes.CDLL | None:
         warnings.warn(f"mlaquant.attention.native: no C compiler ({compiler!r} not found): the fast CPU path runs "
                       "torch ops", stacklevel=3)
         return None
-    sources = [SOURCE, KERNELS] if isa == "scalar" else [KERNELS]
+    return build(isa, compiler)
+
+
+def build(isa: str, compiler: str = "cc", kernels_source: Path = KERNELS) -> ctypes.CDLL | None:
+    """A fresh build of variant `isa` from `kernels_source` (decode_kernels.c; another copy of it for an A/B of two
+    versions, scripts/native_ab.py), loaded and typed, or None with a warning where it fails (`_library` keeps the
+    one build per process the decode path uses)."""
+    sources = [SOURCE, kernels_source] if isa == "scalar" else [kernels_source]
     with tempfile.TemporaryDirectory(prefix="mlaquant-native-") as tmp:
         path = Path(tmp) / f"mlaquant_{isa}.so"
         error = _compile(compiler, sources, [f"-DMLAQ_ISA={ISAS.index(isa)}", *ISA_FLAGS[isa]], path)
         if error is not None:
             what = " + ".join(s.name for s in sources) + ("" if isa == "scalar" else f" ({isa})")
             warnings.warn(f"mlaquant.attention.native: building {what} failed ({error}): the fast CPU path runs "
-                          "torch ops" + ("" if isa == "scalar" else " or a lower ISA"), stacklevel=3)
+                          "torch ops" + ("" if isa == "scalar" else " or a lower ISA"), stacklevel=4)
             return None
         lib = ctypes.CDLL(str(path))  # mapped: the file can go with its directory
     for name, args in _SIGNATURES.items():
@@ -278,6 +286,22 @@ class Kernels:
         self.lib.mlaq_dots(a.data_ptr(), a.stride(0), a.stride(1), m, kind, w.data_ptr(), w.stride(0), w.stride(1), n,
                            k, out.data_ptr(), m * n, n, batch, torch.get_num_threads())
         return out
+
+    def quantize(self, x: Tensor, group_size: int, factor: float) -> tuple[Tensor, Tensor]:
+        """(q8 int8 [B, H, W], qs · factor fp32 [B, H, W / group_size]), both contiguous, of the query x fp32 [B, H, W]
+        (finite; read in place where its rows are evenly spaced, as in a channel slice of the whole query), bit for bit
+        `cpu_decode.quantize_query`'s followed by `qs * factor` (one call for what took ten torch ops)."""
+        batch, heads, width = x.shape
+        if x.dtype != torch.float32 or width % group_size:
+            raise ValueError(f"quantize: x fp32 [B, H, W] with W a multiple of {group_size}, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        if x.stride(2) != 1 or (batch > 1 and x.stride(0) != heads * x.stride(1)):  # rows r * stride(1) apart
+            x = x.contiguous()
+        q8 = torch.empty(batch, heads, width, dtype=torch.int8)
+        qs = torch.empty(batch, heads, width // group_size, dtype=torch.float32)
+        self.lib.mlaq_quantize(x.data_ptr(), batch * heads, x.stride(1), width, group_size, factor, q8.data_ptr(),
+                               qs.data_ptr())
+        return q8, qs
 
     def w8a8(self, x: Tensor, w: PackedW8) -> Tensor:
         """fp32 [M, G, N]: the W8A8 product of x fp32 [M, G, K] (contiguous) with the packed weights `w` (per-row

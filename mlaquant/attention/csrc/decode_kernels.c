@@ -855,6 +855,52 @@ void mlaq_w8a8(const float *x, int64_t m, int64_t groups, int64_t k, const int8_
     }
 }
 
+/* ---------------------------------------------------------------- the query's quantization */
+
+/* The query of one integer part, as `cpu_decode.quantize_query` computes it (the Triton kernel's), bit for bit: per
+ * row r < rows (x + r * ldx, width channels) and group g of gs channels, amax = max |x|, s = amax / 127 (1 where
+ * amax is not > 0), q8 = clamp(rint(x / s), +-127) (rint: half to even), and qs[r][g] = s * factor (the score factor
+ * folded in); q8 [rows][width], qs [rows][width / gs]. Finite x: IEEE division and multiplication in FP32, so every
+ * variant and torch give the same bits. */
+void mlaq_quantize(const float *x, int64_t rows, int64_t ldx, int64_t width, int64_t gs, float factor, int8_t *q8,
+                   float *qs) {
+    const int64_t G = width / gs;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *xg = x + r * ldx + g * gs;
+            int8_t *og = q8 + r * width + g * gs;
+            float amax = 0.0f; /* a max: the same value in any order */
+            int64_t c = 0;
+#if VECTOR
+            __m256 vmax = _mm256_setzero_ps();
+            const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            for (; c + 8 <= gs; c += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xg + c), abs_mask));
+            float lanes[8];
+            _mm256_storeu_ps(lanes, vmax);
+            for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+#endif
+            for (; c < gs; c++) amax = fabsf(xg[c]) > amax ? fabsf(xg[c]) : amax;
+            const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+            c = 0;
+#if VECTOR
+            const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+            for (; c + 8 <= gs; c += 8) {
+                __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xg + c), vs),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                __m256i i = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(v, hi), lo));
+                __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+                _mm_storel_epi64((__m128i *)(og + c), _mm_packs_epi16(i16, i16));
+            }
+#endif
+            for (; c < gs; c++) {
+                float v = nearbyintf(xg[c] / s);
+                v = v > 127.0f ? 127.0f : v;
+                og[c] = (int8_t)(v < -127.0f ? -127.0f : v);
+            }
+            qs[r * G + g] = s * factor;
+        }
+}
+
 /* ---------------------------------------------------------------- scores */
 
 #define MAX_PARTS 8 /* a band c_kv part is one part per stored band, then k_pe */
