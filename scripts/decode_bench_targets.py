@@ -30,20 +30,26 @@ def _load(paths: list[str]) -> list[dict]:
 
 def auto_table(runs: list[dict]) -> str:
     """Per (batch, context, codec): auto / reference (medians) in each run, what auto ran (the "runs" of bench rows
-    since round 10: "torch" is the reference's own call, so its ratio is two timings of one function), and how many
-    runs were ≤ 1.00."""
-    cells: dict[tuple, list[tuple[float, str]]] = {}
+    since round 10: "torch" is the reference's own call, so its ratio is two timings of one function), how many
+    runs were ≤ 1.00, and the largest share of the reference's call that auto spends choosing (the rows' "decide_s"
+    since round 13: where auto ran torch, auto's call is the reference's plus this)."""
+    cells: dict[tuple, list[tuple[float, str, float | None]]] = {}
     for run in runs:
+        ref = {(r["batch"], r["context"], r["codec"]): r["s"] for r in run["attention"] if r["path"] == "reference"}
         for r in run["attention"]:
             if r["path"] == "auto":
-                cell = cells.setdefault((r["batch"], r["context"], r["codec"]), [])
-                cell.append((r["vs_reference"], r.get("runs", "?")))
-    lines = ["| batch | context | codec | auto ran | auto / reference (each run) | runs ≤ 1.00 |",
-             "|---|---|---|---|---|---|"]
+                key = (r["batch"], r["context"], r["codec"])
+                share = r["decide_s"] / ref[key] if "decide_s" in r else None
+                cells.setdefault(key, []).append((r["vs_reference"], r.get("runs", "?"), share))
+    lines = ["| batch | context | codec | auto ran | auto / reference (each run) | runs ≤ 1.00 | choosing, % of the "
+             "reference's call (largest) |", "|---|---|---|---|---|---|---|"]
     for (b, c, codec), cell in cells.items():
-        ok = sum(round(x, 2) <= 1.0 for x, _ in cell)
-        ran = "/".join(sorted({name for _, name in cell}))
-        lines.append(f"| {b} | {c} | {codec} | {ran} | {' '.join(f'{x:.2f}' for x, _ in cell)} | {ok} of {len(cell)} |")
+        ok = sum(round(x, 2) <= 1.0 for x, _, _ in cell)
+        ran = "/".join(sorted({name for _, name, _ in cell}))
+        shares = [s for _, _, s in cell if s is not None]
+        choosing = f"{100 * max(shares):.2f}" if shares else "-"
+        lines.append(f"| {b} | {c} | {codec} | {ran} | {' '.join(f'{x:.2f}' for x, _, _ in cell)} | "
+                     f"{ok} of {len(cell)} | {choosing} |")
     return "\n".join(lines)
 
 

@@ -47,9 +47,10 @@ def test_attention_bench_batch_axis_rows_per_codec_and_path(capsys):
         assert 0 < r["min_s"] <= r["s"]
     assert rows[0]["vs_reference"] == 1.0 and rows[1]["vs_base_fast"] == 1.0
     for r in rows:  # the auto rows name what auto ran, by the routing of this machine
-        assert ("runs" in r) == (r["path"] == "auto")
+        assert ("runs" in r) == ("decide_s" in r) == (r["path"] == "auto")
         if r["path"] == "auto":
             assert r["runs"] in ("torch", "cpu") and f"| auto ({r['runs']}) |" in bench_attention.format_row(r)
+            assert isinstance(r["decide_s"], float)
     header = bench_attention.format_header().splitlines()[0]
     assert header.count("|") == bench_attention.format_row(rows[0]).count("|")
 
@@ -122,3 +123,20 @@ def test_attention_bench_header_names_the_capability_isa_and_routing(capsys, fre
     assert "int4 unpack: torch ops (MLAQUANT_NATIVE=0 or no cc)" in lines[0]
     cpu = next(line for line in lines if line.startswith("-- cpu:"))
     assert "C kernels none (MLAQUANT_NATIVE=0): torch ops" in cpu and "auto: CPU capability" in cpu
+
+
+def test_decision_cost_is_what_auto_spends_beyond_an_explicit_backend(monkeypatch):
+    """`decision_s` is the difference of the two medians: 3 ms where only auto's choice sleeps 3 ms (a fake clock
+    that advances by what each call sleeps), 0 where both take the same time."""
+    from mlaquant.attention import backends
+    from mlaquant.bench import attention as bench_attention
+
+    now = [0.0]
+    monkeypatch.setattr(bench_attention.time, "perf_counter", lambda: now[0])
+    for extra in (0.003, 0.0):
+        def choose(backend, *args, extra=extra):
+            now[0] += 0.001 + (extra if backend == "auto" else 0.0)
+            return backends.TorchBackend()
+
+        monkeypatch.setattr(bench_attention.backends, "choose_backend", choose)
+        assert bench_attention.decision_s(None, "cpu", None, reps=5) == pytest.approx(extra)

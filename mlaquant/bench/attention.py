@@ -128,12 +128,28 @@ def _fast_variant(**options):
     return call
 
 
+def decision_s(codec: LayerCodec, device: torch.device, lens: torch.Tensor, reps: int = 400) -> float:
+    """Seconds per call that "auto" spends choosing beyond what an explicit "torch" call spends checking its
+    backend (`backends.choose_backend`; both then run the same `DecodeInputs` and, where auto takes the reference,
+    the same function): the difference of the two medians over `reps` interleaved calls of each. Where auto runs
+    the reference, auto's call is the reference's plus this, a quantity the bench's two timings of one function
+    cannot resolve."""
+    auto, explicit = [], []
+    for _ in range(reps):
+        for backend, times in (("auto", auto), ("torch", explicit)):
+            t0 = time.perf_counter()
+            backends.choose_backend(backend, codec, device, lens)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(auto) - statistics.median(explicit)
+
+
 def bench_attention(
     batches: list[int], contexts: list[int], codecs: list[str], steps: int,
     fast_blocks: list[tuple[int, int]] = (), min_call_s: float = MIN_CALL_S,
 ) -> list[dict]:
     """One dict per (batch, context, codec, path): ms, ratios, bound (see the module docstring); the "auto" rows
-    also name the backend auto ran ("runs": torch or cpu, `backends.choose_backend`).
+    also name the backend auto ran ("runs": torch or cpu, `backends.choose_backend`) and what choosing it costs per
+    call ("decide_s", `decision_s`).
     fast_blocks: extra fast-path rows, one per (tokens per sequence and block, sequences per group).
     min_call_s: rounds go past `steps` until each call's timed runs add up to this (`_timed_rounds`)."""
     paths = {path: (mla_decode, backend) for path, backend in PATHS.items()}
@@ -148,12 +164,13 @@ def bench_attention(
     results = []
     for batch in batches:
         for context in contexts:
-            calls, bounds, auto_runs = {}, {}, {}
+            calls, bounds, auto_runs, decide = {}, {}, {}, {}
             for name in codecs:
                 codec = LayerCodec.from_names(*split_pair(name), D_C, D_R)
                 q, pool, table, lens = _problem(codec, batch, context, seed=context)
                 bounds[name] = step_bound(codec, batch, context, probes)
                 auto_runs[name] = backends.choose_backend("auto", codec, q.device, lens).name.value
+                decide[name] = decision_s(codec, q.device, lens)
                 mine = dict(paths)
                 integer = {codec.ckv.spec.kind, codec.kpe.spec.kind} & {"int8", "int4"}
                 if integer and native.kernels() is not None:
@@ -167,7 +184,7 @@ def bench_attention(
             by = {(r["codec"], r["path"]): r for r in rows}
             for r in rows:
                 if r["path"] == "auto":
-                    r["runs"] = auto_runs[r["codec"]]
+                    r["runs"], r["decide_s"] = auto_runs[r["codec"]], decide[r["codec"]]
                 r["vs_reference"] = r["s"] / by[(r["codec"], "reference")]["s"]
                 r["vs_base_fast"] = r["s"] / by[(codecs[0], "fast")]["s"]
                 r["min_vs_base_fast"] = r["min_s"] / by[(codecs[0], "fast")]["min_s"]
