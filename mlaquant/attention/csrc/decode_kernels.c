@@ -30,8 +30,9 @@
  * unsigned nibbles (at most 2 * 15 * 128 per pair, no saturation); the VNNI forms run vpdpbusd on u8 codes (int8:
  * the byte XOR 0x80, then -128 * sum a) and vpdpwssd for P.V (avx512vnni: zmm, P as an embedded broadcast, 16 heads
  * per B load; its VNNI instructions as inline asm, which keeps accumulators in registers where GCC 12 copies them
- * around the builtins). avx2 scores of short parts (bands, k_pe, small groups) run token-lane: the rows packed with
- * the tokens across a vector's lanes, so no horizontal reduction (the comment above `token_lanes`). Hot loops are small
+ * around the builtins). Scores of short parts (bands, k_pe, small groups; on VNNI sub-byte ones only) run token-lane:
+ * the rows packed with the tokens across a vector's lanes, so no horizontal reduction (the comment above
+ * `token_lanes`). Hot loops are small
  * non-inlined functions specialized by code kind and tile shape.
  * Threads: OpenMP, `threads` of them (the runtime torch uses). */
 #include <math.h>
@@ -51,6 +52,9 @@
 #endif
 #define VECTOR (MLAQ_ISA != MLAQ_SCALAR)
 #define VNNI (MLAQ_ISA == MLAQ_AVX512VNNI || MLAQ_ISA == MLAQ_AVXVNNI)
+#ifndef LANES
+#define LANES VECTOR /* token-lane scores (`token_lanes`) in every vector variant */
+#endif
 
 #if VECTOR
 #include <immintrin.h>
@@ -112,7 +116,7 @@ static inline __attribute__((always_inline)) __m512i dpwssd_z_bcast(__m512i acc,
 #ifndef PV_CHUNK
 #define PV_CHUNK 256 /* tokens per INT32 P.V sum: 256 * 32767 * 128 < 2^31 */
 #endif
-#define TB 16      /* rows per avx2 token-lane scores block: two vectors of 8 */
+#define TB 16      /* rows per token-lane scores block: two vectors of 8 */
 #define QCHUNK 128 /* tokens per probability-quantization chunk (even): its [pair][head] block stays in L1 */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -520,9 +524,10 @@ INLINE void tile_dots(const part_t *p, const int kind, const uint8_t *ap, int64_
     }
 }
 
-/* The bias the vector sums carry: VNNI int8 sums u8 = c' + 128 (-128 sum a), sub-byte sym codes c' + BIAS. */
-static void corrections(const part_t *p, const int32_t *sums, int64_t n, uint32_t *corr) {
-    uint32_t k = (VNNI && !SUB_BYTE(p->kind)) ? 128u : (uint32_t)BIAS(p->kind);
+/* The bias the vector sums carry: `dots_rows`' VNNI int8 sums u8 = c' + 128 (-128 sum a), sub-byte sym codes
+ * c' + BIAS; token-lane sums (lanes != 0) take int8 codes as c' itself (int16 words), so only the sub-byte BIAS. */
+static void corrections(const part_t *p, const int32_t *sums, int64_t n, uint32_t *corr, int lanes) {
+    uint32_t k = (VNNI && !lanes && !SUB_BYTE(p->kind)) ? 128u : (uint32_t)BIAS(p->kind);
     for (int64_t i = 0; i < n; i++) corr[i] = k * (uint32_t)sums[i];
 }
 
@@ -654,7 +659,7 @@ static dotter_t dotter_make(const part_t *p, const int8_t *a, int64_t lda, int64
     int32_t *sums = alloc((size_t)n * 4);
     uint32_t *corr = alloc((size_t)n * 4);
     d.esize = prep_a(a, lda, m, p, ap, sums);
-    corrections(p, sums, n, corr);
+    corrections(p, sums, n, corr, 0);
     free(sums);
     d.ap = ap;
     d.corr = corr;
@@ -912,27 +917,30 @@ typedef struct {
     dotter_t d;
     const float *qs;
     float *qlo;
-    const uint8_t *lanes_q; /* avx2 token-lane query words (NULL: `dots_rows`): q8 [heads][width] itself (sub-byte
+    const uint8_t *lanes_q; /* token-lane query words (NULL: `dots_rows`): q8 [heads][width] itself (sub-byte
                                kinds) or lanes_q16 (int8 kinds) */
     int16_t *lanes_q16;     /* q8 as int16 [heads][width] (token-lane int8 kinds), else NULL */
     uint32_t *lanes_corr;   /* [heads][G]: the stored codes' offset times the group's q8 sum (`corrections`) */
 } scored_t;
 
-#if MLAQ_ISA == MLAQ_AVX2
-/* Token-lane scores (avx2). The dots of `dots_rows` leave every (head, row) sum across the lanes of a vector, and
+#if LANES
+/* Token-lane scores. The dots of `dots_rows` leave every (head, row) sum across the lanes of a vector, and
  * their horizontal reduction costs as much as a 64-channel part's MACs: the bands of a band codec and k_pe paid it
  * once per 2-4 chunks. Here a block of TB rows is packed once, for every head, into words of 4 codes (sub-byte kinds,
  * unsigned as stored) or 2 codes (int8 kinds, c' as int16) with the tokens across the lanes: B[word][token]. A
  * head's query word (its 4 int8 / 2 int16 channels) broadcast against a vector of B gives 8 tokens' partial dots in
  * 8 lanes, so the sums come out token-wise with no reduction, into the same dots buffer `part_epilogue` reads: the
- * same integers, the same FP32 operations, the same bits. */
+ * same integers, the same FP32 operations, the same bits. The VNNI variants take each step in one instruction
+ * (vpdpbusd on 4 unsigned codes, vpdpwssd on 2 int16 ones, into the INT32 sums); avx2 in maddubs / madd (LANE_FN). */
 
 /* Whether part p runs token-lane: its groups whole words (4 channels sub-byte, 2 int8) of at most LANES_MAX
  * channels, where `dots_rows`' reduction is not amortized over their chunks (bands, k_pe, g32 / g64 groups); a wide
- * row-wise part, sub-byte or int8, measured faster in `dots_rows` (A / B in docs/cpu.md). */
+ * row-wise part, sub-byte or int8, measured faster in `dots_rows` (A / B in docs/cpu.md). On VNNI only sub-byte
+ * kinds: `dots_rows` takes int8 codes 4 to a vpdpbusd, twice the token-lane int16 pairs' vpdpwssd, and measured
+ * faster (docs/cpu.md, Round 13). */
 #define LANES_MAX 128
 static int token_lanes(const part_t *p) {
-    if (p->kind == U8_CODES || p->gs % (SUB_BYTE(p->kind) ? 4 : 2)) return 0;
+    if (p->kind == U8_CODES || (VNNI && !SUB_BYTE(p->kind)) || p->gs % (SUB_BYTE(p->kind) ? 4 : 2)) return 0;
     return p->gs <= LANES_MAX;
 }
 
@@ -1001,12 +1009,23 @@ static void pack_token_lanes(const part_t *p, const uint8_t *const *rows, int nr
     }
 }
 
+/* acc + the dot of one word of 8 tokens (b) with a broadcast query word (q): sub-byte codes (u <= 15) 4 unsigned
+ * codes by 4 int8 channels, int8 kinds 2 int16 by 2 int16. avx2: maddubs pairs (|.| <= 2 * 15 * 128) into int16
+ * sums, folded into INT32 by `LANE_FOLD` once per run; int8 pairs madd straight into INT32. VNNI: INT32 directly. */
+INLINE __m256i lane_mac(__m256i acc, __m256i b, __m256i q, const int sub) {
+#if VNNI
+    return sub ? DPBUSD(acc, b, q) : DPWSSD(acc, b, q);
+#else
+    return sub ? add16_into(acc, _mm256_maddubs_epi16(b, q)) : add32_into(acc, _mm256_madd_epi16(b, q));
+#endif
+}
+#define LANE_FOLD (!VNNI) /* sub-byte int16 sums to fold into INT32 after each run (avx2) */
+
 /* out[mi * ldo + i] = sum over words [c0, c1) of B[word * TB + i] . the query word of head mi (qw + mi * ldq
  * bytes, word c at byte 4c), less corr[mi * cstride] (wrapping), for the 8 tokens i of B's vector (B points at it)
- * and MT heads. Sub-byte codes (u <= 15): maddubs pairs (|.| <= 2 * 15 * 128) summed in int16 over runs of `run`
- * words (run * 2 * umax * 128 <= 32768: no overflow), then one madd by ones into the INT32 sums; int8 pairs: madd
- * straight into INT32. One vector of tokens per pass keeps the MT sums, B's word and the query words in registers
- * (two vectors spilled a sum). */
+ * and MT heads (`lane_mac`); avx2 sub-byte sums in int16 over runs of `run` words (run * 2 * umax * 128 <= 32768: no
+ * overflow), then one madd by ones into the INT32 sums. One vector of tokens per pass keeps the MT sums, B's word
+ * and the query words in registers (two vectors spilled a sum). */
 #define LANE_FN(NAME, SUB, MT)                                                                                    \
     static __attribute__((noinline)) void NAME(const int32_t *B, int64_t c0, int64_t c1, const uint8_t *qw,       \
                                                int64_t ldq, int64_t run, const uint32_t *corr, int64_t cstride,   \
@@ -1022,18 +1041,18 @@ static void pack_token_lanes(const part_t *p, const uint8_t *const *rows, int nr
                     int32_t word;                                                                                 \
                     memcpy(&word, qw + mi * ldq + 4 * c, 4);                                                      \
                     __m256i q = _mm256_set1_epi32(word);                                                          \
-                    if (SUB) acc[mi] = add16_into(acc[mi], _mm256_maddubs_epi16(b, q));                           \
-                    else acc[mi] = add32_into(acc[mi], _mm256_madd_epi16(b, q));                                  \
+                    acc[mi] = lane_mac(acc[mi], b, q, SUB);                                                       \
                 }                                                                                                 \
             }                                                                                                     \
-            if (SUB) _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++) {                                    \
+            if (SUB && LANE_FOLD) _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++) {                       \
                     sum[mi] = _mm256_add_epi32(sum[mi], _mm256_madd_epi16(acc[mi], ones));                        \
                     acc[mi] = _mm256_setzero_si256();                                                             \
                 }                                                                                                 \
         }                                                                                                         \
         _Pragma("GCC unroll 4") for (int mi = 0; mi < MT; mi++)                                                   \
             _mm256_storeu_si256((__m256i *)(out + mi * ldo),                                                      \
-                                _mm256_sub_epi32(SUB ? sum[mi] : acc[mi], _mm256_set1_epi32((int)corr[mi * cstride]))); \
+                                _mm256_sub_epi32(SUB && LANE_FOLD ? sum[mi] : acc[mi],                    \
+                                                 _mm256_set1_epi32((int)corr[mi * cstride])));                   \
     }
 LANE_FN(lanes_sub_4, 1, 4)
 LANE_FN(lanes_sub_1, 1, 1)
@@ -1108,7 +1127,7 @@ static void part_epilogue(const scored_t *sp, const int32_t *dbuf, const float *
 /* v (+)= sum over the parts, in order, of sum_g (qs[h][g] * s[t][g]) * dot + (asym) qlo[h][g] * zp[t][g], for the
  * tokens [t0, t0 + nt) of one tile, part by part (each part's sums stored and read back: exact); dbuf[k], sT[k], zT[k]
  * are part k's dots [G][heads][TT] and params [G][TT]; a part with `lanes_q` takes its dots token-lane, in lanes_b
- * (avx2). */
+ * (every vector variant). */
 static void scores_tile(const scored_t *parts, int nparts, const uint8_t *base, const int64_t *pages,
                         int64_t page_rows, int64_t stride, int64_t t0, int64_t nt, int64_t heads, float *out,
                         int64_t ldo, int accumulate, int32_t **dbuf, float **sT, float **zT, int32_t *lanes_b) {
@@ -1119,7 +1138,7 @@ static void scores_tile(const scored_t *parts, int nparts, const uint8_t *base, 
             prow[tt] = rows[tt] + parts[k].offset;
             load_params(&parts[k].p, prow[tt], sT[k] + tt, zT[k] + tt, TT);
         }
-#if MLAQ_ISA == MLAQ_AVX2
+#if LANES
         if (parts[k].lanes_q) part_lanes(&parts[k], rows, nt, heads, dbuf[k], lanes_b);
         else
 #else
@@ -1157,10 +1176,10 @@ void mlaq_scores(const uint8_t *base, const int64_t *pages, int64_t page_rows, i
         sp->lanes_q = NULL;
         sp->lanes_q16 = NULL;
         sp->lanes_corr = NULL;
-#if MLAQ_ISA == MLAQ_AVX2
+#if LANES
         if (token_lanes(&sp->p)) {
             sp->lanes_corr = alloc((size_t)hg * 4);
-            corrections(&sp->p, sums, hg, sp->lanes_corr);
+            corrections(&sp->p, sums, hg, sp->lanes_corr, 1);
             sp->lanes_q = (const uint8_t *)q8[k];
             if (!SUB_BYTE(sp->p.kind)) {
                 int64_t hw = heads * sp->p.width;
