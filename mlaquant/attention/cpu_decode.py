@@ -449,10 +449,10 @@ def _finish(ckv: _CpuPart, m: Tensor, total: Tensor, acc: Tensor) -> tuple[Tenso
     """(out [n, H, d_c], lse [n, H]) of the sequences' running max m and sum [n, H] (base 2) and acc
     [n, H, d_c] (in the codes' channel order, undone here): out a fresh tensor (acc may be a reused buffer), lse m's
     storage."""
+    lse = m.add_(torch.log2(total)).mul_(LN2)
     if ckv.perm is not None:
-        return torch.empty_like(acc).index_copy_(2, ckv.perm, acc).div_(total.unsqueeze(-1)), m.add_(torch.log2(
-            total)).mul_(LN2)
-    return torch.div(acc, total.unsqueeze(-1)), m.add_(torch.log2(total)).mul_(LN2)
+        return torch.empty_like(acc).index_copy_(2, ckv.perm, acc).div_(total.unsqueeze(-1)), lse
+    return torch.div(acc, total.unsqueeze(-1)), lse
 
 
 def row_parts(codec: LayerCodec, device: torch.device, c_unpack: bool = True,

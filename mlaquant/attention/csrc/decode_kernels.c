@@ -52,9 +52,7 @@
 #endif
 #define VECTOR (MLAQ_ISA != MLAQ_SCALAR)
 #define VNNI (MLAQ_ISA == MLAQ_AVX512VNNI || MLAQ_ISA == MLAQ_AVXVNNI)
-#ifndef LANES
 #define LANES VECTOR /* token-lane scores (`token_lanes`) in every vector variant */
-#endif
 
 #if VECTOR
 #include <immintrin.h>
@@ -716,36 +714,53 @@ void mlaq_dots(const int8_t *a, int64_t lda_b, int64_t lda_m, int64_t m, int kin
 #define W8_MT 4  /* activation rows per tile */
 #define W8_JOB 4 /* 16-output block pairs per job */
 
-/* One activation row's codes a[k4], |codes| u[k4] (zeros past k) and its scale. */
-static void w8a8_quantize_row(const float *xr, int64_t k, int64_t k4, int8_t *a, uint8_t *u, float *sx) {
-    uint32_t abits = 0; /* max |x| as the bits of |x|: ordered like the values (finite input), and an integer max
-                           reduction vectorizes where a float one does not without -ffast-math */
-    for (int64_t c = 0; c < k; c++) {
+/* max |x| of n finite floats, as the bits of |x|: ordered like the values, and an integer max reduction
+ * vectorizes where a float one does not without -ffast-math (a max: the same value in any order) */
+static float absmax(const float *x, int64_t n) {
+    uint32_t abits = 0;
+    for (int64_t c = 0; c < n; c++) {
         uint32_t b;
-        memcpy(&b, xr + c, 4);
+        memcpy(&b, x + c, 4);
         b &= 0x7fffffffu;
         abits = b > abits ? b : abits;
     }
     float amax;
     memcpy(&amax, &abits, 4);
+    return amax;
+}
+
+/* int8 codes of already scaled values: clamp(rint(v), +-127), rint half to even (the current rounding mode) */
+static inline int8_t code_of(float v) {
+    v = nearbyintf(v);
+    v = v > 127.0f ? 127.0f : v;
+    return (int8_t)(v < -127.0f ? -127.0f : v);
+}
+#if VECTOR
+/* `code_of` of 8 lanes, in the low 8 bytes */
+INLINE __m128i codes8_of(__m256 v) {
+    const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256i i = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(v, hi), lo));
+    __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+    return _mm_packs_epi16(i16, i16);
+}
+#endif
+
+/* One activation row's codes a[k4], |codes| u[k4] (zeros past k) and its scale. */
+static void w8a8_quantize_row(const float *xr, int64_t k, int64_t k4, int8_t *a, uint8_t *u, float *sx) {
+    const float amax = absmax(xr, k);
     float inv = amax > 0.0f ? (1.0f / amax) * 127.0f : 0.0f;
     int64_t c = 0;
 #if VECTOR
-    const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    const __m256 vinv = _mm256_set1_ps(inv);
     for (; c + 8 <= k; c += 8) { /* the scalar loop's operations, 8 lanes at a time */
-        __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256i v = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(q, hi), lo));
-        __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        __m128i v8 = _mm_packs_epi16(v16, v16);
+        __m128i v8 = codes8_of(_mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv));
         _mm_storel_epi64((__m128i *)(a + c), v8);
         _mm_storel_epi64((__m128i *)(u + c), _mm_abs_epi8(v8));
     }
 #endif
     for (; c < k; c++) {
-        float q = nearbyintf(xr[c] * inv);
-        q = q > 127.0f ? 127.0f : q;
-        int32_t code = (int32_t)(q < -127.0f ? -127.0f : q);
+        int32_t code = code_of(xr[c] * inv);
         a[c] = (int8_t)code;
         u[c] = (uint8_t)(code < 0 ? -code : code);
     }
@@ -874,34 +889,14 @@ void mlaq_quantize(const float *x, int64_t rows, int64_t ldx, int64_t width, int
         for (int64_t g = 0; g < G; g++) {
             const float *xg = x + r * ldx + g * gs;
             int8_t *og = q8 + r * width + g * gs;
-            float amax = 0.0f; /* a max: the same value in any order */
+            const float amax = absmax(xg, gs), s = amax > 0.0f ? amax / 127.0f : 1.0f;
             int64_t c = 0;
 #if VECTOR
-            __m256 vmax = _mm256_setzero_ps();
-            const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-            for (; c + 8 <= gs; c += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(xg + c), abs_mask));
-            float lanes[8];
-            _mm256_storeu_ps(lanes, vmax);
-            for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+            const __m256 vs = _mm256_set1_ps(s);
+            for (; c + 8 <= gs; c += 8)
+                _mm_storel_epi64((__m128i *)(og + c), codes8_of(_mm256_div_ps(_mm256_loadu_ps(xg + c), vs)));
 #endif
-            for (; c < gs; c++) amax = fabsf(xg[c]) > amax ? fabsf(xg[c]) : amax;
-            const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-            c = 0;
-#if VECTOR
-            const __m256 vs = _mm256_set1_ps(s), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-            for (; c + 8 <= gs; c += 8) {
-                __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xg + c), vs),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                __m256i i = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(v, hi), lo));
-                __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
-                _mm_storel_epi64((__m128i *)(og + c), _mm_packs_epi16(i16, i16));
-            }
-#endif
-            for (; c < gs; c++) {
-                float v = nearbyintf(xg[c] / s);
-                v = v > 127.0f ? 127.0f : v;
-                og[c] = (int8_t)(v < -127.0f ? -127.0f : v);
-            }
+            for (; c < gs; c++) og[c] = code_of(xg[c] / s);
             qs[r * G + g] = s * factor;
         }
 }
