@@ -1,0 +1,273 @@
+"""The plan as a vLLM MLA attention backend: each layer's cache holds that layer's planned codes; decode runs on them.
+
+Imported by vLLM only (the class path `register` gives it, `mlaquant.integrations.vllm_plugin`); it imports vLLM.
+
+Per layer (the index read from `kv_b_proj.prefix`), with the plan's codec C, rotations R_c [d_c, d_c] / R_r
+[d_r, d_r] (identity where the plan has none) and P the RoPE de-interleave (vLLM's DeepSeek applies RoPE
+interleaved, mlaquant caches k_pe as [even dims | odd dims]; scores are invariant under a joint permutation):
+
+    cache      uint8 [num_blocks, 16, C.row_bytes]: token in slot s = row s of the flattened pages, the bytes of
+               C.encode([c_kv·R_c | k_pe·P·R_r]) (byte layout: `mlaquant.quant.codecs`). vLLM sizes the pages from
+               `PlanMLABackend.customize_spec` (vllm/v1/attention/backend.py `customize_spec`, applied per layer in
+               vllm/v1/worker/gpu_model_runner.py `get_kv_cache_spec`), so each layer has its own bytes per token.
+    weights    R_c folded into kv_b_proj.weight (W·R_c) in the impl's `process_weights_after_loading`, which the
+               layer calls *before* it splits kv_b_proj into W_UK_T / W_UV (mla_attention.py
+               `MLAAttention.process_weights_after_loading`): the absorbed query and output are in R_c's space.
+    decode     `forward_mqa`: q = [q_nope·W_UK·R_c | q_pe·P·R_r] → `mlaquant.attention.ops.mla_decode` over the
+               layer's pages and vLLM's block table (C kernels on CPU, the Triton kernel on CUDA, else the torch
+               reference: `MLAQUANT_VLLM_DECODE_BACKEND`, default auto) → out [B, H, d_c] in latent space; the
+               layer applies W_UV.
+    prefill    `forward_mha`: the new rows are already in the cache (vLLM writes before it attends), so each
+               prefill sequence attends over *all* its rows read back from the cache — context and new tokens
+               alike, the strict form of mlaquant's numerics contract (`DecodeSession.prefill` does the same): the
+               loss a plan reports is the loss vLLM serves.
+
+vLLM internals used beyond the backend interface (the reason `SUPPORTED_VLLM` pins versions): `CPUMLAImpl`
+(vllm/v1/attention/backends/mla/cpu_mla.py) as the base; `MLACommonMetadataBuilder(metadata_cls=...)`, whose
+metadata class checks latent widths against 320 / 512 / 576 in `__post_init__` (ours accepts what the plan's codecs
+take); and `compilation_config.static_forward_context` (layer name → layer), where the impl finds its layer to give
+it a backend class carrying that layer's bytes per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from pathlib import Path
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
+
+from mlaquant.attention import ops
+from mlaquant.attention.backends import check_backend
+from mlaquant.attention.reference import causal_attention
+from mlaquant.integrations.vllm_plugin import VLLMPluginError, plan_directory
+from mlaquant.modeling.loader import read_config
+from mlaquant.modeling.model import MLAConfig
+from mlaquant.runtime.plan import Plan
+
+DECODE_BACKEND_ENV = "MLAQUANT_VLLM_DECODE_BACKEND"
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedPlan:
+    """The plan bound to the served model's config, checked against its weights."""
+
+    plan: Plan
+    cfg: MLAConfig
+    directory: Path
+
+
+@functools.cache
+def served_plan(plan_dir: str, model_dir: str) -> ServedPlan:
+    """Load the plan at `plan_dir` for the checkpoint at `model_dir` (once per process): layer count, latent widths
+    and, for a calibrated plan, the weights fingerprint must match (VLLMPluginError naming the mismatch)."""
+    from mlaquant.errors import MLAQuantError
+    from mlaquant.modeling.stream import StreamedModel
+
+    try:
+        plan = Plan.load(plan_dir)
+        cfg = read_config(Path(model_dir))
+    except MLAQuantError as e:
+        raise VLLMPluginError(str(e)) from e
+    if len(plan.layers) != cfg.num_hidden_layers:
+        raise VLLMPluginError(f"{plan_dir}: plan has {len(plan.layers)} layers, model {model_dir} has "
+                              f"{cfg.num_hidden_layers}")
+    if plan.fingerprint is not None:
+        found = StreamedModel(model_dir, device="cpu").fingerprint()
+        if found != plan.fingerprint:
+            raise VLLMPluginError(f"{plan_dir}: plan fingerprint {plan.fingerprint[:12]} does not match model "
+                                  f"{model_dir} ({found[:12]}): this plan was calibrated for another model")
+    return ServedPlan(plan.bind(cfg), cfg, Path(plan_dir))
+
+
+def layer_index(prefix: str) -> int:
+    """The decoder layer of a module prefix such as 'model.layers.3.self_attn.kv_b_proj'."""
+    found = _LAYER_RE.search(prefix)
+    if found is None:
+        raise VLLMPluginError(f"cannot read a layer index from the module name {prefix!r}")
+    return int(found.group(1))
+
+
+def rope_order(d_r: int, interleaved: bool) -> torch.Tensor | None:
+    """Channel order taking vLLM's interleaved-RoPE k_pe / q_pe to mlaquant's [even | odd] (None: same order)."""
+    if not interleaved:
+        return None
+    return torch.cat((torch.arange(0, d_r, 2), torch.arange(1, d_r, 2)))
+
+
+class PlanMLABackend(CPUMLABackend):
+    """vLLM's MLA backend for a mlaquant plan: any latent width, cache bytes per layer from the plan."""
+
+    row_bytes: int | None = None  # set on the per-layer subclasses (`for_row_bytes`)
+    supported_kv_cache_dtypes = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CPU_MLA"
+
+    @staticmethod
+    def get_impl_cls() -> type[PlanMLAImpl]:
+        return PlanMLAImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[PlanMLAMetadataBuilder]:
+        return PlanMLAMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any: the plan's codecs are checked against the model's widths when the plan loads
+
+    @classmethod
+    def customize_spec(cls, spec):
+        """The layer's spec with its pages as `row_bytes` bytes per token (uint8)."""
+        if cls.row_bytes is None:
+            raise VLLMPluginError("mlaquant backend: a layer's cache spec was asked before its plan codec was set "
+                                  "(this vLLM builds KV specs before process_weights_after_loading)")
+        return dataclasses.replace(spec, dtype=torch.uint8, state_content_bytes=cls.row_bytes)
+
+    @classmethod
+    def for_row_bytes(cls, row_bytes: int) -> type[PlanMLABackend]:
+        return _backend_class(row_bytes)
+
+
+@functools.cache
+def _backend_class(row_bytes: int) -> type[PlanMLABackend]:
+    return type(f"PlanMLABackend{row_bytes}B", (PlanMLABackend,), {"row_bytes": row_bytes})
+
+
+@dataclasses.dataclass
+class PlanMLAMetadata(MLACommonMetadata):
+    """vLLM's MLA metadata with the prefill sequences' total lengths (context + new tokens) and without the
+    320 / 512 / 576 width check."""
+
+    prefill_seq_lens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        return None
+
+
+class PlanMLAMetadataBuilder(MLACommonMetadataBuilder[PlanMLAMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device, metadata_cls=None, **kwargs) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, metadata_cls=PlanMLAMetadata, **kwargs)
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> PlanMLAMetadata:
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if meta.num_prefills:
+            lens = common_attn_metadata.seq_lens[meta.num_decodes : meta.num_decodes + meta.num_prefills]
+            meta.prefill_seq_lens = lens.tolist()
+        return meta
+
+
+class PlanMLAImpl(CPUMLAImpl):
+    """One layer's attention over its planned codes (module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.kv_cache_dtype != "auto":
+            raise VLLMPluginError(f"--kv-cache-dtype {self.kv_cache_dtype} with the mlaquant backend: keep 'auto', "
+                                  "the cache codecs come from the plan")
+        vllm_config = get_current_vllm_config()
+        served = served_plan(str(plan_directory()), str(vllm_config.model_config.model))
+        self.layer_index = layer_index(self.kv_b_proj.prefix)
+        d_c, d_r = served.cfg.latent_widths
+        if (self.kv_lora_rank, self.qk_rope_head_dim) != (d_c, d_r):
+            raise VLLMPluginError(f"layer {self.layer_index}: vLLM's latent is {self.kv_lora_rank} + "
+                                  f"{self.qk_rope_head_dim}, the plan's model {d_c} + {d_r}")
+        self.d_c = d_c
+        self.codec = served.plan.layer_codec(self.layer_index)
+        rotation = served.plan.rotations().get(self.layer_index)
+        eye = torch.eye(d_c + d_r)
+        self.r_c = None if rotation is None or torch.equal(rotation[:d_c, :d_c], eye[:d_c, :d_c]) else \
+            rotation[:d_c, :d_c]
+        self.r_r = None if rotation is None or torch.equal(rotation[d_c:, d_c:], eye[d_c:, d_c:]) else \
+            rotation[d_c:, d_c:]
+        self.rope_order = rope_order(d_r, served.cfg.rope_interleave)
+        self.decode_backend = os.environ.get(DECODE_BACKEND_ENV, "auto")
+        lp = served.plan.layers[self.layer_index]
+        if lp.int8_matmul or served.plan.window:
+            raise VLLMPluginError(f"{served.directory}: W8A8 projections and residual FP16 windows run in mlaquant's "
+                                  "own decoder only; serve a plan without them")
+        self.layer = None
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Fold R_c into kv_b_proj (before the layer splits it into W_UK_T / W_UV) and give the layer the backend
+        class that sizes its pages to this layer's codec."""
+        w = self.kv_b_proj.weight
+        if self.r_c is not None:
+            if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise VLLMPluginError(f"layer {self.layer_index}: a rotated plan needs an unquantized kv_b_proj "
+                                      f"(found {w.dtype})")
+            w.data.copy_((w.data.float() @ self.r_c.to(w.device)).to(w.dtype))
+        self.decode_backend = check_backend(self.decode_backend, w.device).value
+        forward_context = get_current_vllm_config().compilation_config.static_forward_context
+        mine = [m for m in forward_context.values() if getattr(m, "impl", None) is self]
+        if len(mine) != 1:
+            raise VLLMPluginError(f"layer {self.layer_index}: its attention layer is not in vLLM's "
+                                  "static_forward_context (this vLLM is not one the plugin supports)")
+        self.layer = mine[0]
+        self.layer.attn_backend = PlanMLABackend.for_row_bytes(self.codec.row_bytes)
+
+    def _rows(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """vLLM's kv_c_normed [T, d_c] and k_pe [T, (1,) d_r] → the rows mlaquant caches, float32 [T, d_c + d_r]."""
+        c_kv = kv_c_normed.float()
+        k_pe = k_pe.reshape(k_pe.shape[0], -1).float()
+        if self.r_c is not None:
+            c_kv = c_kv @ self.r_c.to(c_kv.device)
+        return torch.cat((c_kv, self._rope_in(k_pe)), dim=-1)
+
+    def _rope_in(self, x: torch.Tensor) -> torch.Tensor:
+        """q_pe / k_pe [..., d_r] in vLLM's order → mlaquant's order, rotated by R_r."""
+        if self.rope_order is not None:
+            x = x[..., self.rope_order.to(x.device)]
+        return x if self.r_r is None else x @ self.r_r.to(x.device)
+
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
+        """Encode the new rows with the layer's codec and store them at their slots (slot −1: padding, skipped)."""
+        if kv_cache.numel() == 0:
+            return
+        slots = slot_mapping.flatten().long()
+        keep = slots >= 0
+        rows = self._rows(kv_c_normed[keep], k_pe[keep])
+        kv_cache.view(-1, self.codec.row_bytes)[slots[keep]] = self.codec.encode(rows)
+
+    def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        return kv_cache.view(-1, kv_cache.shape[-2], self.codec.row_bytes)
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
+        """q: (q_nope·W_UK_T [B, H, d_c], q_pe [B, H, d_r]) or their concatenation → (out [B, H, d_c] in q's dtype,
+        lse [B, H] float32)."""
+        q_lat, q_pe = (q[0], q[1]) if isinstance(q, tuple) else q.split([self.d_c, q.shape[-1] - self.d_c], -1)
+        query = torch.cat((q_lat.float(), self._rope_in(q_pe.float())), dim=-1).contiguous()
+        decode = attn_metadata.decode
+        out, lse = ops.mla_decode(query, self._pages(kv_c_and_k_pe_cache), decode.block_table.to(torch.int32),
+                                  decode.seq_lens.to(torch.int32), self.codec, self.d_c, self.scale,
+                                  self.decode_backend)
+        return out.to(q_lat.dtype), lse
+
+    def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
+                    output_scale=None) -> None:
+        """Prefill tokens q [T, H, d_n + d_r] → output [T, H·d_v]: each sequence's queries over all its rows as the
+        cache returns them (absorbed: q_nope·W_UK_T, MQA over the rows, W_UV)."""
+        if output_scale is not None:
+            raise VLLMPluginError("the mlaquant backend does not write quantized attention outputs")
+        prefill = attn_metadata.prefill
+        starts = prefill.query_start_loc.tolist()
+        pages = self._pages(kv_c_and_k_pe_cache)
+        block = pages.shape[1]
+        w_uk_t, w_uv = self.layer.W_UK_T, self.layer.W_UV  # [H, d_n, d_c], [H, d_c, d_v]
+        out = output.view(-1, self.num_heads, self.v_head_dim)
+        for i, seq_len in enumerate(attn_metadata.prefill_seq_lens):
+            lo, hi = starts[i], starts[i + 1]
+            blocks = prefill.block_table[i, : -(-seq_len // block)].long()
+            rows = self.codec.decode(pages[blocks].reshape(-1, self.codec.row_bytes)[:seq_len])  # [L, d_c + d_r]
+            q_nope, q_pe = q[lo:hi].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+            q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk_t.dtype), w_uk_t).float()
+            query = torch.cat((q_lat, self._rope_in(q_pe.float())), dim=-1)  # [T, H, d_c + d_r]
+            o_lat = causal_attention(query[None], rows[None], rows[None, :, : self.d_c], self.scale)[0]
+            out[lo:hi] = torch.einsum("thc,hcv->thv", o_lat.to(w_uv.dtype), w_uv).to(out.dtype)

