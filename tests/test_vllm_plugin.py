@@ -101,7 +101,8 @@ def test_export_codecs_plan_writes_the_model_with_its_plan(tmp_path):
     report = json.loads((out / "mlaquant_export.json").read_text())
     assert report["codecs"] == "plan" and report["fingerprint"] == Plan.load(PLANS / "default").fingerprint
     serve = (out / "serve.sh").read_text()
-    assert f"MLAQUANT_PLAN={out.resolve()} python3 -m vllm.entrypoints.openai.api_server --model {out.resolve()}" in serve
+    where = out.resolve()
+    assert f"MLAQUANT_PLAN={where} python3 -m vllm.entrypoints.openai.api_server --model {where}" in serve
     assert plan_directory(str(out)) == out / PLAN_SUBDIR
 
 

@@ -35,6 +35,7 @@ def _args(argv=None) -> argparse.Namespace:
     which.add_argument("--stock", action="store_true")
     p.add_argument("--prompts", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--long-tokens", type=int, default=None, help="new tokens per `long` prompt (default: --max-tokens)")
     p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV cache (kv_cache_memory_bytes)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--rope-fix", action="store_true", help="with --stock: vLLM's backend under the CPU RoPE fix")
@@ -76,7 +77,9 @@ def main(argv=None) -> None:
             scored.append([next(iter(lp.values())).logprob if lp else None for lp in o.prompt_logprobs][1:])
     steps = [(o.metrics.last_token_ts - o.metrics.first_token_ts) / (o.metrics.num_generation_tokens - 1)
              for o in outs if o.metrics is not None and o.metrics.num_generation_tokens > 1]
-    long_outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in data.get("long", [])], greedy, use_tqdm=False)
+    long_params = SamplingParams(temperature=0.0, max_tokens=args.long_tokens or args.max_tokens, ignore_eos=True)
+    long_outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in data.get("long", [])], long_params,
+                             use_tqdm=False)
     cache = llm.llm_engine.vllm_config.cache_config
     preemptions = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     report = {
