@@ -42,9 +42,9 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-from mlaquant.attention import ops
 from mlaquant.attention.backends import check_backend
 from mlaquant.attention.reference import causal_attention
+from mlaquant.integrations.vllm_pages import LayerPages, rope_order
 from mlaquant.integrations.vllm_plugin import VLLMPluginError, cuda_codec_problem, plan_directory
 from mlaquant.modeling.loader import read_config
 from mlaquant.modeling.model import MLAConfig
@@ -93,13 +93,6 @@ def layer_index(prefix: str) -> int:
     if found is None:
         raise VLLMPluginError(f"cannot read a layer index from the module name {prefix!r}")
     return int(found.group(1))
-
-
-def rope_order(d_r: int, interleaved: bool) -> torch.Tensor | None:
-    """Channel order taking vLLM's interleaved-RoPE k_pe / q_pe to mlaquant's [even | odd] (None: same order)."""
-    if not interleaved:
-        return None
-    return torch.cat((torch.arange(0, d_r, 2), torch.arange(1, d_r, 2)))
 
 
 class PlanMLABackend(CPUMLABackend):
@@ -183,12 +176,10 @@ class PlanMLAImpl(CPUMLAImpl):
         self.d_c = d_c
         self.codec = served.plan.layer_codec(self.layer_index)
         rotation = served.plan.rotations().get(self.layer_index)
-        eye = torch.eye(d_c + d_r)
-        self.r_c = None if rotation is None or torch.equal(rotation[:d_c, :d_c], eye[:d_c, :d_c]) else \
-            rotation[:d_c, :d_c]
-        self.r_r = None if rotation is None or torch.equal(rotation[d_c:, d_c:], eye[d_c:, d_c:]) else \
-            rotation[d_c:, d_c:]
-        self.rope_order = rope_order(d_r, served.cfg.rope_interleave)
+        r_c, r_r = (None, None) if rotation is None else (rotation[:d_c, :d_c], rotation[d_c:, d_c:])
+        self.pages = LayerPages(self.codec, d_c, None if r_c is None or torch.equal(r_c, torch.eye(d_c)) else r_c,
+                                None if r_r is None or torch.equal(r_r, torch.eye(d_r)) else r_r,
+                                rope_order(d_r, served.cfg.rope_interleave))
         self.decode_backend = os.environ.get(DECODE_BACKEND_ENV, "auto")
         lp = served.plan.layers[self.layer_index]
         if lp.int8_matmul or served.plan.window:
@@ -199,12 +190,12 @@ class PlanMLAImpl(CPUMLAImpl):
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Fold R_c into kv_b_proj (before the layer splits it into W_UK_T / W_UV) and give the layer the backend
         class that sizes its pages to this layer's codec."""
-        w = self.kv_b_proj.weight
-        if self.r_c is not None:
+        w, r_c = self.kv_b_proj.weight, self.pages.r_c
+        if r_c is not None:
             if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise VLLMPluginError(f"layer {self.layer_index}: a rotated plan needs an unquantized kv_b_proj "
                                       f"(found {w.dtype})")
-            w.data.copy_((w.data.float() @ self.r_c.to(w.device)).to(w.dtype))
+            w.data.copy_((w.data.float() @ r_c.to(w.device)).to(w.dtype))
         self.decode_backend = check_backend(self.decode_backend, w.device).value
         if w.device.type == "cuda" and self.decode_backend in ("auto", "triton"):
             problem = cuda_codec_problem(self.codec, str(w.device))
@@ -220,28 +211,10 @@ class PlanMLAImpl(CPUMLAImpl):
         self.layer = mine[0]
         self.layer.attn_backend = PlanMLABackend.for_row_bytes(self.codec.row_bytes)
 
-    def _rows(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-        """vLLM's kv_c_normed [T, d_c] and k_pe [T, (1,) d_r] → the rows mlaquant caches, float32 [T, d_c + d_r]."""
-        c_kv = kv_c_normed.float()
-        k_pe = k_pe.reshape(k_pe.shape[0], -1).float()
-        if self.r_c is not None:
-            c_kv = c_kv @ self.r_c.to(c_kv.device)
-        return torch.cat((c_kv, self._rope_in(k_pe)), dim=-1)
-
-    def _rope_in(self, x: torch.Tensor) -> torch.Tensor:
-        """q_pe / k_pe [..., d_r] in vLLM's order → mlaquant's order, rotated by R_r."""
-        if self.rope_order is not None:
-            x = x[..., self.rope_order.to(x.device)]
-        return x if self.r_r is None else x @ self.r_r.to(x.device)
-
     def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale) -> None:
-        """Encode the new rows with the layer's codec and store them at their slots (slot −1: padding, skipped)."""
-        if kv_cache.numel() == 0:
-            return
-        slots = slot_mapping.flatten().long()
-        keep = slots >= 0
-        rows = self._rows(kv_c_normed[keep], k_pe[keep])
-        kv_cache.view(-1, self.codec.row_bytes)[slots[keep]] = self.codec.encode(rows)
+        """Encode the new rows with the layer's codec and store them at their slots (`LayerPages.write`)."""
+        if kv_cache.numel():
+            self.pages.write(self._pages(kv_cache), slot_mapping, kv_c_normed, k_pe)
 
     def _pages(self, kv_cache: torch.Tensor) -> torch.Tensor:
         return kv_cache.view(-1, kv_cache.shape[-2], self.codec.row_bytes)
@@ -250,11 +223,9 @@ class PlanMLAImpl(CPUMLAImpl):
         """q: (q_nope·W_UK_T [B, H, d_c], q_pe [B, H, d_r]) or their concatenation → (out [B, H, d_c] in q's dtype,
         lse [B, H] float32)."""
         q_lat, q_pe = (q[0], q[1]) if isinstance(q, tuple) else q.split([self.d_c, q.shape[-1] - self.d_c], -1)
-        query = torch.cat((q_lat.float(), self._rope_in(q_pe.float())), dim=-1).contiguous()
         decode = attn_metadata.decode
-        out, lse = ops.mla_decode(query, self._pages(kv_c_and_k_pe_cache), decode.block_table.to(torch.int32),
-                                  decode.seq_lens.to(torch.int32), self.codec, self.d_c, self.scale,
-                                  self.decode_backend)
+        out, lse = self.pages.decode(q_lat, q_pe, self._pages(kv_c_and_k_pe_cache), decode.block_table,
+                                     decode.seq_lens, self.scale, self.decode_backend)
         return out.to(q_lat.dtype), lse
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
@@ -266,19 +237,17 @@ class PlanMLAImpl(CPUMLAImpl):
         prefill = attn_metadata.prefill
         starts = prefill.query_start_loc.tolist()
         pages = self._pages(kv_c_and_k_pe_cache)
-        block = pages.shape[1]
         w_uk_t, w_uv = self.layer.W_UK_T, self.layer.W_UV  # [H, d_n, d_c], [H, d_c, d_v]
         out = output.view(-1, self.num_heads, self.v_head_dim)
         for i, seq_len in enumerate(attn_metadata.prefill_seq_lens):
             lo, hi = starts[i], starts[i + 1]
-            blocks = prefill.block_table[i, : -(-seq_len // block)].long()
-            rows = self.codec.decode(pages[blocks].reshape(-1, self.codec.row_bytes)[:seq_len])  # [L, d_c + d_r]
+            rows = self.pages.read(pages, prefill.block_table[i], seq_len)  # [L, d_c + d_r]
             context = seq_len - (hi - lo)
             for a in range(lo, hi, PREFILL_CHUNK):  # queries in chunks: scores [chunk, H, L] at a time
                 b = min(a + PREFILL_CHUNK, hi)
                 q_nope, q_pe = q[a:b].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
                 q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk_t.dtype), w_uk_t).float()
-                query = torch.cat((q_lat, self._rope_in(q_pe.float())), dim=-1)  # [T, H, d_c + d_r]
+                query = torch.cat((q_lat, self.pages.rope(q_pe)), dim=-1)  # [T, H, d_c + d_r]
                 seen = rows[: context + b - lo]
                 o_lat = causal_attention(query[None], seen[None], seen[None, :, : self.d_c], self.scale)[0]
                 out[a:b] = torch.einsum("thc,hcv->thv", o_lat.to(w_uv.dtype), w_uv).to(out.dtype)

@@ -1,0 +1,77 @@
+"""One layer's planned cache in vLLM's pages, without vLLM: what the plugin's backend writes and reads.
+
+vLLM hands an MLA layer `uint8 [num_blocks, block_size, row_bytes]` pages (the plugin's `customize_spec` sets
+`row_bytes` to the layer's codec), a flat slot per new token (block · block_size + offset; −1 for padding) and, per
+sequence, a block table. `LayerPages` turns vLLM's tensors into mlaquant's cache rows and back:
+
+    row      = C.encode([c_kv·R_c | k_pe[P]·R_r])        C the layer's codec, P the RoPE de-interleave
+    decode   = mla_decode([q_lat | q_pe[P]·R_r], pages, block_table, seq_lens, C)   (q_lat = q_nope·W_UK·R_c)
+
+P: vLLM's DeepSeek applies RoPE interleaved (pairs (x0, x1), (x2, x3) …), mlaquant caches k_pe as [even | odd]
+dims (`mlaquant.modeling.loader` de-interleaves at load): the plan's k_pe rotation, groups and clip ranges are in that
+order. Scores are unchanged by a permutation or an orthogonal R applied to both sides. R_c is folded into the
+weights (W_UK, W_UV) by the backend, so it appears here only on the written rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mlaquant.attention import ops
+from mlaquant.quant.codecs import LayerCodec
+
+
+def rope_order(d_r: int, interleaved: bool) -> torch.Tensor | None:
+    """Channel order taking vLLM's interleaved-RoPE k_pe / q_pe to mlaquant's [even | odd] (None: same order)."""
+    if not interleaved:
+        return None
+    return torch.cat((torch.arange(0, d_r, 2), torch.arange(1, d_r, 2)))
+
+
+@dataclasses.dataclass
+class LayerPages:
+    """A layer's codec and latent transforms: r_c [d_c, d_c] / r_r [d_r, d_r] float32 or None (identity), order the
+    RoPE permutation or None."""
+
+    codec: LayerCodec
+    d_c: int
+    r_c: torch.Tensor | None = None
+    r_r: torch.Tensor | None = None
+    order: torch.Tensor | None = None
+
+    def rows(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """vLLM's kv_c_normed [T, d_c] and k_pe [T, (1,) d_r] → the rows mlaquant caches, float32 [T, d_c + d_r]."""
+        c_kv = kv_c_normed.float()
+        if self.r_c is not None:
+            c_kv = c_kv @ self.r_c.to(c_kv.device)
+        return torch.cat((c_kv, self.rope(k_pe.reshape(k_pe.shape[0], -1).float())), dim=-1)
+
+    def rope(self, x: torch.Tensor) -> torch.Tensor:
+        """q_pe / k_pe [..., d_r] in vLLM's order → mlaquant's order, rotated by R_r (float32)."""
+        x = x.float()
+        if self.order is not None:
+            x = x[..., self.order.to(x.device)]
+        return x if self.r_r is None else x @ self.r_r.to(x.device)
+
+    def write(self, pages: torch.Tensor, slots: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Encode the new tokens' rows into their slots of `pages` (slot −1: padding, skipped)."""
+        slots = slots.flatten().long()
+        keep = slots >= 0
+        flat = pages.view(-1, self.codec.row_bytes)
+        flat[slots[keep]] = self.codec.encode(self.rows(kv_c_normed[keep], k_pe[keep]))
+
+    def read(self, pages: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+        """One sequence's first `length` rows, decoded: float32 [length, d_c + d_r]."""
+        block = pages.shape[1]
+        blocks = block_table_row[: -(-length // block)].long()
+        return self.codec.decode(pages[blocks].reshape(-1, self.codec.row_bytes)[:length])
+
+    def decode(self, q_lat: torch.Tensor, q_pe: torch.Tensor, pages: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed decode: q_lat [B, H, d_c] (q_nope·W_UK·R_c), q_pe [B, H, d_r] in vLLM's order → out [B, H, d_c]
+        float32 in R_c's space, lse [B, H], by `mlaquant.attention.ops.mla_decode` on `backend`."""
+        query = torch.cat((q_lat.float(), self.rope(q_pe)), dim=-1).contiguous()
+        return ops.mla_decode(query, pages, block_table.to(torch.int32), seq_lens.to(torch.int32), self.codec,
+                              self.d_c, scale, backend)
