@@ -13,6 +13,10 @@ GPU memory, and a failure does not stop the later steps:
     stream    `calibrate --stream` on a synthetic checkpoint with DeepSeek-V2-Lite layer shapes
               (mlaquant.modeling.synthetic), peak GPU memory against one layer's weights
     decode    decode tokens/s with FP16 / INT8 / INT4 latent caches at batch 32 × 8k context
+    vllm      the vLLM plugin on the device (`--attention-backend CUSTOM` on CUDA): the bundled model under a uniform
+              int4-row plan in vLLM, greedy tokens against DecodeSession's, vLLM's capacity and decode step; skipped,
+              saying so, where vLLM is not importable (the plugin's CUDA path is then covered outside vLLM by
+              tests/test_vllm_pages.py)
 
 `--device cpu --quick` runs the same steps on tiny shapes (the suite runs it, so the pipeline cannot rot);
 there, `kernels` is skipped (Triton timings need a GPU). Optional peers (bitsandbytes, quanto, HQQ) are left
@@ -225,6 +229,34 @@ def step_decode(device: torch.device, dtype: torch.dtype, sizes: Sizes, ckpt: Pa
     return out
 
 
+def step_vllm(device: torch.device, out: Path) -> dict:
+    """The plugin inside vLLM on `device` (module docstring)."""
+    import importlib.util
+
+    from mlaquant.modeling.loader import default_model_path, load_model
+    from mlaquant.runtime.plan import Plan
+    from mlaquant.runtime.session import generate
+
+    if importlib.util.find_spec("vllm") is None:
+        raise Skip("vLLM is not importable on this machine: the plugin's CUDA path ran outside vLLM only "
+                   "(tests/test_vllm_pages.py)")
+    work = out / "vllm"
+    work.mkdir(parents=True, exist_ok=True)
+    plan = Plan.uniform("int4-row/int4-row", 4).save(work / "plan")
+    model = load_model(None, device)
+    prompts = [model.tokenizer.encode(t).ids for t in ("def fib(n):", "import torch\nclass Net(", "for i in range(")]
+    (work / "prompts.json").write_text(json.dumps({"prompts": prompts}))
+    cmd = [sys.executable, "-m", "mlaquant.integrations.vllm_run", "--model", str(default_model_path()), "--plan",
+           str(plan), "--prompts", str(work / "prompts.json"), "--max-tokens", "32", "--out", str(work / "run.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "vllm_run failed")
+    report = json.loads((work / "run.json").read_text())
+    want = generate(model, prompts, 32, plan=plan)
+    return {"tokens_equal": report["tokens"] == want, "capacity_tokens": report["capacity_tokens"],
+            "decode_step_s": report["decode_step_s"], "vllm": report["vllm"]}
+
+
 def render(report: dict) -> str:
     """report.md: one table row per step, then each step's numbers as JSON."""
     m = report["meta"]
@@ -269,6 +301,7 @@ def bench_gpu(out: Path, device: torch.device, dtype: torch.dtype, quick: bool) 
             run_step("calibrate", device, lambda: step_calibrate(device, dtype, sizes, out)),
             run_step("stream", device, lambda: step_stream(device, dtype, sizes, ckpt)),
             run_step("decode", device, lambda: step_decode(device, dtype, sizes, ckpt)),
+            run_step("vllm", device, lambda: step_vllm(device, out)),
         ]
     report = {"meta": _meta(device, dtype, quick), "steps": steps, "seconds": round(time.perf_counter() - t0, 1)}
     atomic_write(out / "report.json", json.dumps(report, indent=2, default=str) + "\n")

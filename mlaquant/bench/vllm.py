@@ -4,8 +4,9 @@ A DeepSeek-V2-Lite-shaped attention (16 heads, d_c 512, d_r 64; `--layers` layer
 `mlaquant.modeling.synthetic`) served by vLLM on the CPU, per batch × context: vLLM's own `CPU_MLA` (the model
 dtype's cache; under the plugin's CPU RoPE fix, which does not touch its speed) and the plugin with each plan of
 `--codecs` (uniform plans, one codec pair per layer). Each row is one vLLM launch (`mlaquant.integrations.vllm_run`)
-on `batch` random prompts of `context` tokens: the median decode step of the batch from vLLM's own per-request
-token times, and vLLM's KV capacity for `--kv-cache-memory` bytes. mlaquant's own `DecodeSession` on the same
+on `batch` random prompts of `context` tokens: one decode step of the batch (the generate time less that of a
+prefill-only generate of the same prompts, over the decode steps: `vllm_run --time-decode`), and vLLM's KV capacity
+for the run's cache memory. mlaquant's own `DecodeSession` on the same
 model and prompts is timed beside them (its decode steps, after the same prefill), and llama.cpp where
 llama-cpp-python is installed (else the report says it was not).
 
@@ -72,7 +73,7 @@ def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLAQUANT_PLAN", "VLLM_CPU_KVCACHE"))}
     cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(inp),
            "--max-tokens", str(new), "--kv-cache-memory", str(memory), "--dtype", dtype,
-           "--max-model-len", str(len(prompts[0]) + new + 16), *flags, "--out", str(out)]
+           "--max-model-len", str(len(prompts[0]) + new + 16), "--time-decode", *flags, "--out", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}

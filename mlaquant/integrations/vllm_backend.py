@@ -7,7 +7,8 @@ Per layer (the index read from `kv_b_proj.prefix`), with the plan's codec C, rot
 interleaved, mlaquant caches k_pe as [even dims | odd dims]; scores are invariant under a joint permutation):
 
     cache      uint8 [num_blocks, 16, C.row_bytes]: token in slot s = row s of the flattened pages, the bytes of
-               C.encode([c_kv·R_c | k_pe·P·R_r]) (byte layout: `mlaquant.quant.codecs`). vLLM sizes the pages from
+               C.encode([c_kv·R_c | k_pe·P·R_r]) (`mlaquant.integrations.vllm_pages.LayerPages`, vLLM-free and
+               tested without vLLM; byte layout: `mlaquant.quant.codecs`). vLLM sizes the pages from
                `PlanMLABackend.customize_spec` (vllm/v1/attention/backend.py `customize_spec`, applied per layer in
                vllm/v1/worker/gpu_model_runner.py `get_kv_cache_spec`), so each layer has its own bytes per token.
     weights    R_c folded into kv_b_proj.weight (W·R_c) in the impl's `process_weights_after_loading`, which the
@@ -20,7 +21,8 @@ interleaved, mlaquant caches k_pe as [even dims | odd dims]; scores are invarian
     prefill    `forward_mha`: the new rows are already in the cache (vLLM writes before it attends), so each
                prefill sequence attends over *all* its rows read back from the cache — context and new tokens
                alike, the strict form of mlaquant's numerics contract (`DecodeSession.prefill` does the same): the
-               loss a plan reports is the loss vLLM serves.
+               loss a plan reports is the loss vLLM serves. K / V are expanded from the rows (fewer FLOPs than the
+               absorbed form for long prompts: d_n + d_r and d_v per head against d_c + d_r and d_c).
 
 vLLM internals used beyond the backend interface (the reason `SUPPORTED_VLLM` pins versions): `CPUMLAImpl`
 (vllm/v1/attention/backends/mla/cpu_mla.py) as the base; `MLACommonMetadataBuilder(metadata_cls=...)`, whose
@@ -43,7 +45,6 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from mlaquant.attention.backends import check_backend
-from mlaquant.attention.reference import causal_attention
 from mlaquant.integrations.vllm_pages import LayerPages, rope_order
 from mlaquant.integrations.vllm_plugin import VLLMPluginError, cuda_codec_problem, plan_directory
 from mlaquant.modeling.loader import read_config
@@ -51,7 +52,6 @@ from mlaquant.modeling.model import MLAConfig
 from mlaquant.runtime.plan import Plan
 
 DECODE_BACKEND_ENV = "MLAQUANT_VLLM_DECODE_BACKEND"
-PREFILL_CHUNK = 256  # prefill queries attended at a time (scores: chunk × H × context floats)
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -231,23 +231,32 @@ class PlanMLAImpl(CPUMLAImpl):
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,
                     output_scale=None) -> None:
         """Prefill tokens q [T, H, d_n + d_r] → output [T, H·d_v]: each sequence's queries over all its rows as the
-        cache returns them (absorbed: q_nope·W_UK_T, MQA over the rows, W_UV)."""
+        cache returns them, K / V expanded from those rows by kv_b_proj (in R_c's space: the fold), causal SDPA."""
         if output_scale is not None:
             raise VLLMPluginError("the mlaquant backend does not write quantized attention outputs")
         prefill = attn_metadata.prefill
         starts = prefill.query_start_loc.tolist()
         pages = self._pages(kv_c_and_k_pe_cache)
-        w_uk_t, w_uv = self.layer.W_UK_T, self.layer.W_UV  # [H, d_n, d_c], [H, d_c, d_v]
-        out = output.view(-1, self.num_heads, self.v_head_dim)
+        heads, d_n, d_v = self.num_heads, self.qk_nope_head_dim, self.v_head_dim
+        w_dtype = self.kv_b_proj.weight.dtype
+        out = output.view(-1, heads, d_v)
         for i, seq_len in enumerate(attn_metadata.prefill_seq_lens):
             lo, hi = starts[i], starts[i + 1]
-            rows = self.pages.read(pages, prefill.block_table[i], seq_len)  # [L, d_c + d_r]
-            context = seq_len - (hi - lo)
-            for a in range(lo, hi, PREFILL_CHUNK):  # queries in chunks: scores [chunk, H, L] at a time
-                b = min(a + PREFILL_CHUNK, hi)
-                q_nope, q_pe = q[a:b].split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-                q_lat = torch.einsum("thn,hnc->thc", q_nope.to(w_uk_t.dtype), w_uk_t).float()
-                query = torch.cat((q_lat, self.pages.rope(q_pe)), dim=-1)  # [T, H, d_c + d_r]
-                seen = rows[: context + b - lo]
-                o_lat = causal_attention(query[None], seen[None], seen[None, :, : self.d_c], self.scale)[0]
-                out[a:b] = torch.einsum("thc,hcv->thv", o_lat.to(w_uv.dtype), w_uv).to(out.dtype)
+            rows = self.pages.read(pages, prefill.block_table[i], seq_len)  # [L, d_c + d_r] float32
+            kv = self.kv_b_proj(rows[:, : self.d_c].to(w_dtype))[0].view(seq_len, heads, d_n + d_v)
+            k_nope, v = kv.float().split([d_n, d_v], dim=-1)
+            k = torch.cat((k_nope, rows[:, None, self.d_c :].expand(-1, heads, -1)), dim=-1)  # [L, H, d_n + d_r]
+            q_nope, q_pe = q[lo:hi].split([d_n, self.qk_rope_head_dim], dim=-1)
+            query = torch.cat((q_nope.float(), self.pages.rope(q_pe)), dim=-1)  # [T, H, d_n + d_r]
+            out[lo:hi] = causal_sdpa(query, k, v, self.scale).to(out.dtype)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last T positions of a sequence over its L keys: q [T, H, D], k [L, H, D], v [L, H, E]
+    → [T, H, E] (torch's fused SDPA)."""
+    T, L = q.shape[0], k.shape[0]
+    positions = torch.arange(L, device=q.device)
+    mask = None if T == L else positions[None] <= positions[L - T :, None]  # [T, L]: key before or at the query
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                         attn_mask=mask, is_causal=mask is None, scale=scale)
+    return o.transpose(0, 1)
