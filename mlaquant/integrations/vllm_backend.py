@@ -44,7 +44,7 @@ from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
-from mlaquant.attention.backends import check_backend
+from mlaquant.attention.backends import check_backend, cpu_routing
 from mlaquant.integrations.vllm_pages import LayerPages, rope_order
 from mlaquant.integrations.vllm_plugin import VLLMPluginError, cuda_codec_problem, plan_directory
 from mlaquant.modeling.loader import read_config
@@ -197,6 +197,8 @@ class PlanMLAImpl(CPUMLAImpl):
                                       f"(found {w.dtype})")
             w.data.copy_((w.data.float() @ r_c.to(w.device)).to(w.dtype))
         self.decode_backend = check_backend(self.decode_backend, w.device).value
+        if w.device.type == "cpu" and self.decode_backend in ("auto", "cpu"):
+            cpu_routing()  # builds the C kernels now (seconds), not inside the first request's decode step
         if w.device.type == "cuda" and self.decode_backend in ("auto", "triton"):
             problem = cuda_codec_problem(self.codec, str(w.device))
             if problem is not None:
