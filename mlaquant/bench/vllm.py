@@ -4,9 +4,9 @@ A DeepSeek-V2-Lite-shaped attention (16 heads, d_c 512, d_r 64; `--layers` layer
 `mlaquant.modeling.synthetic`) served by vLLM on the CPU, per batch × context: vLLM's own `CPU_MLA` (the model
 dtype's cache; under the plugin's CPU RoPE fix, which does not touch its speed) and the plugin with each plan of
 `--codecs` (uniform plans, one codec pair per layer). Each row is one vLLM launch (`mlaquant.integrations.vllm_run`)
-on `batch` random prompts of `context` tokens: one decode step of the batch (the generate time less that of a
-prefill-only generate of the same prompts, over the decode steps: `vllm_run --time-decode`), and vLLM's KV capacity
-for the run's cache memory. mlaquant's own `DecodeSession` on the same
+on `batch` random prompts of `context` tokens, after one untimed pass: one decode step of the batch (vLLM's own
+per-request first-to-last token times over the decode steps, the median request), and vLLM's KV capacity for the
+run's cache memory. mlaquant's own `DecodeSession` on the same
 model and prompts is timed beside them (its decode steps, after the same prefill), and llama.cpp where
 llama-cpp-python is installed (else the report says it was not).
 
