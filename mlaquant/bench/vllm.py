@@ -73,7 +73,9 @@ def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLAQUANT_PLAN", "VLLM_CPU_KVCACHE"))}
     cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(inp),
            "--max-tokens", str(new), "--kv-cache-memory", str(memory), "--dtype", dtype,
-           "--max-model-len", str(len(prompts[0]) + new + 16), "--time-decode", *flags, "--out", str(out)]
+           "--max-model-len", str(len(prompts[0]) + new + 16), "--time-decode",
+           # every prompt prefilled in one step, so each request's first-to-last token time is decode steps only
+           "--max-num-batched-tokens", str(len(prompts) * (len(prompts[0]) + new + 16)), *flags, "--out", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}

@@ -39,6 +39,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-tokens", type=int, default=None, help="new tokens per `long` prompt (default: --max-tokens)")
     p.add_argument("--kv-cache-memory", type=int, default=64 << 20, help="bytes of KV cache (kv_cache_memory_bytes)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per scheduler step (room for every prompt at once: the batch then decodes in lockstep)")
     p.add_argument("--rope-fix", action="store_true", help="with --stock: vLLM's backend under the CPU RoPE fix")
     p.add_argument("--time-decode", action="store_true",
                    help="run the prompts once untimed first (one-time costs out of the decode step)")
@@ -62,7 +64,8 @@ def main(argv=None) -> None:
 
     data = json.loads(Path(args.prompts).read_text())
     started = time.perf_counter()
-    extra = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
+    extra = {k: v for k, v in (("max_model_len", args.max_model_len),
+                                ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
     if not args.plan:
         extra["attention_backend"] = "CPU_MLA"
     elif torch.cuda.is_available():
