@@ -136,3 +136,13 @@ def test_codecs_plan_is_vllm_only(tmp_path, capsys):
     assert main(["export", "--plan", str(PLANS / "default"), "--engine", "sglang", "--codecs", "plan", "--model",
                  str(default_model_path()), "--out", str(out)]) == 2
     assert "--codecs plan is served by mlaquant's vLLM plugin" in capsys.readouterr().err
+
+
+def test_bench_vllm_without_vllm_is_one_line(tmp_path, monkeypatch, capsys):
+    """No vLLM in this Python and none named: the bench stops before it writes anything."""
+    monkeypatch.delenv("MLAQUANT_VLLM_PYTHON", raising=False)
+    out = tmp_path / "bench"
+    assert main(["bench", "vllm", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "bench vllm: no vLLM here; pass --vllm-python or set MLAQUANT_VLLM_PYTHON" in err and "\n" not in err
+    assert not out.exists()

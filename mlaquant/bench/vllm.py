@@ -4,15 +4,17 @@ A DeepSeek-V2-Lite-shaped attention (16 heads, d_c 512, d_r 64; `--layers` layer
 `mlaquant.modeling.synthetic`) served by vLLM on the CPU, per batch × context: vLLM's own `CPU_MLA` (the model
 dtype's cache; under the plugin's CPU RoPE fix, which does not touch its speed) and the plugin with each plan of
 `--codecs` (uniform plans, one codec pair per layer). Each row is one vLLM launch (`mlaquant.integrations.vllm_run`)
-on `batch` random prompts of `context` tokens, after one untimed pass: one decode step of the batch (vLLM's own
-per-request first-to-last token times over the decode steps, the median request), and vLLM's KV capacity for the
-run's cache memory. mlaquant's own `DecodeSession` on the same
+on `batch` random prompts of `context` tokens stepped through vLLM's engine: one decode step of the batch (the
+median of the scheduler steps in which every request decoded, `vllm_run --time-decode`), and vLLM's KV capacity
+for the run's cache memory. mlaquant's own `DecodeSession` on the same
 model and prompts is timed beside them (its decode steps, after the same prefill), and llama.cpp where
 llama-cpp-python is installed (else the report says it was not).
 
-vLLM runs in the Python of `--vllm-python` (default: this one when it has vLLM, else MLAQUANT_VLLM_PYTHON); its CPU
-worker binds its own threads (VLLM_CPU_OMP_THREADS_BIND), and the plugin's kernels run on those. Ratios are against
-vLLM's own backend in the same run; every figure comes with the CPU capability.
+vLLM runs in the Python of `--vllm-python` (default: this one when it has vLLM, else MLAQUANT_VLLM_PYTHON). Its CPU
+worker runs on `--threads` cores (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1); the default is what vLLM's own auto-bind
+gives one rank, every core but one, which it keeps for its scheduler process: vllm/utils/ompmultiprocessing.py), and
+the plugin's kernels run on those threads; DecodeSession is timed on as many torch threads. Ratios are against vLLM's
+own backend in the same run; every figure comes with the CPU capability.
 
 Output: DIR/report.md (table) and DIR/report.json.
 """
@@ -47,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=16, help="decode steps per run")
     p.add_argument("--dtype", default="float32", help="model dtype in vLLM (stock CPU_MLA caches in it)")
     p.add_argument("--vllm-python", default=None)
+    p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                   help="cores of vLLM's CPU worker and DecodeSession's torch threads (default: all but one)")
 
 
 def vllm_python(given: str | None) -> str:
@@ -67,25 +71,26 @@ def _ints(text: str) -> list[int]:
 
 
 def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new: int, memory: int, dtype: str,
-            *flags: str) -> dict:
+            threads: int, *flags: str) -> dict:
     inp, out = work / f"{name}.in.json", work / f"{name}.json"
     inp.write_text(json.dumps({"prompts": prompts}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLAQUANT_PLAN", "VLLM_CPU_KVCACHE"))}
+    env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(inp),
            "--max-tokens", str(new), "--kv-cache-memory", str(memory), "--dtype", dtype,
-           "--max-model-len", str(len(prompts[0]) + new + 16), "--time-decode",
-           # every prompt prefilled in one step, so each request's first-to-last token time is decode steps only
-           "--max-num-batched-tokens", str(len(prompts) * (len(prompts[0]) + new + 16)), *flags, "--out", str(out)]
+           "--max-model-len", str(len(prompts[0]) + new + 16), "--time-decode", *flags, "--out", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}
     return json.loads(out.read_text())
 
 
-def _session_step(model, prompts: list, new: int) -> float:
-    """Median decode step of mlaquant's DecodeSession (fp16 plan, auto backend) on `prompts`, after prefill."""
+def _session_step(model, prompts: list, new: int, threads: int) -> float:
+    """Median decode step of mlaquant's DecodeSession (fp16 plan, auto backend, `threads` torch threads) on
+    `prompts`, after prefill."""
     from mlaquant.runtime.session import DecodeSession
 
+    torch.set_num_threads(threads)
     session = DecodeSession(model, plan="fp16")
     logits = session.prefill(prompts)
     nxt = logits[:, -1].argmax(-1)
@@ -106,21 +111,24 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    model_dir = write_checkpoint(work / "model", shards=1, layers=args.layers, **SHAPES)
+    contexts = _ints(args.contexts)
+    model_dir = write_checkpoint(work / "model", shards=1, layers=args.layers,
+                                 max_positions=max(contexts) + args.new_tokens + 64, **SHAPES)
     plans = {c: Plan.uniform(c, args.layers).save(work / "plans" / c.replace("/", "_")) for c in args.codecs.split(",")}
     model = load_model(model_dir)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for context in _ints(args.contexts):
+    for context in contexts:
         for batch in _ints(args.batches):
             prompts = torch.randint(1, 320, (batch, context), generator=gen).tolist()
             memory = 2 * batch * (context + args.new_tokens + 32) * args.layers * 576 * 4  # room at FP32, twice
             tag = f"b{batch}_c{context}"
             runs = {"vLLM CPU_MLA": _launch(python, work, f"{tag}_stock", model_dir, prompts, args.new_tokens, memory,
-                                            args.dtype, "--stock", "--rope-fix")}
+                                            args.dtype, args.threads, "--stock", "--rope-fix")}
             for codec, plan in plans.items():
                 runs[f"plugin {codec}"] = _launch(python, work, f"{tag}_{plan.name}", model_dir, prompts,
-                                                  args.new_tokens, memory, args.dtype, "--plan", str(plan))
+                                                  args.new_tokens, memory, args.dtype, args.threads, "--plan",
+                                                  str(plan))
             base = runs["vLLM CPU_MLA"]
             for name, r in runs.items():
                 rows.append({"batch": batch, "context": context, "engine": name, "step_s": r.get("decode_step_s"),
@@ -128,12 +136,12 @@ def run(args: argparse.Namespace) -> int:
                              "cpu_capability": r.get("cpu_capability"),
                              "step_vs_stock": _ratio(r.get("decode_step_s"), base.get("decode_step_s")),
                              "capacity_vs_stock": _ratio(r.get("capacity_tokens"), base.get("capacity_tokens"))})
-            step = _session_step(model, prompts, args.new_tokens)
+            step = _session_step(model, prompts, args.new_tokens, args.threads)
             rows.append({"batch": batch, "context": context, "engine": "mlaquant DecodeSession fp16", "step_s": step,
                          "step_vs_stock": _ratio(step, base.get("decode_step_s"))})
     llama = importlib.util.find_spec("llama_cpp") is not None
     report = {"rows": rows, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "shapes": SHAPES,
-              "layers": args.layers, "dtype": args.dtype, "new_tokens": args.new_tokens,
+              "layers": args.layers, "dtype": args.dtype, "new_tokens": args.new_tokens, "threads": args.threads,
               "llama_cpp": "not run (llama-cpp-python not installed)" if not llama else
               "installed, not wired into this bench yet"}
     atomic_write(out / "report.json", json.dumps(report, indent=1))
@@ -148,7 +156,8 @@ def _ratio(a, b) -> float | None:
 
 def _markdown(report: dict) -> str:
     lines = [f"decode inside vLLM, {report['layers']} layers of 16 heads × (512 + 64), {report['dtype']} weights; "
-             f"CPU capability {report['cpu_capability']}; llama.cpp: {report['llama_cpp']}", "",
+             f"CPU capability {report['cpu_capability']}, {report['threads']} thread(s); "
+             f"llama.cpp: {report['llama_cpp']}", "",
              "| batch | context | engine | decode step (ms) | vs vLLM CPU_MLA | KV capacity (tokens) | vs CPU_MLA |",
              "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:

@@ -49,6 +49,7 @@ def config_dict(
     experts: int = 4,
     moe_intermediate: int = 512,
     vocab: int = 320,
+    max_positions: int = 4096,
 ) -> dict:
     """A DeepSeek-V3 `config.json` (sigmoid routing with group top-k, YaRN-free RoPE, interleaved)."""
     return {
@@ -80,7 +81,7 @@ def config_dict(
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "rope_interleave": True,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": max_positions,
         "tie_word_embeddings": False,
         "hidden_act": "silu",
         "bos_token_id": EOS_ID,
