@@ -78,7 +78,10 @@ def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new:
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(inp),
            "--max-tokens", str(new), "--kv-cache-memory", str(memory), "--dtype", dtype,
-           "--max-model-len", str(len(prompts[0]) + new + 16), "--time-decode", *flags, "--out", str(out)]
+           # vLLM's CPU build prefills max_model_len tokens per step for MLA (vllm/platforms/cpu.py): room for the
+           # whole batch, so every prompt prefills in one step and the batch then decodes in lockstep
+           "--max-model-len", str(len(prompts) * (len(prompts[0]) + new + 16)), "--time-decode", *flags,
+           "--out", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}
@@ -112,8 +115,8 @@ def run(args: argparse.Namespace) -> int:
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
     contexts = _ints(args.contexts)
-    model_dir = write_checkpoint(work / "model", shards=1, layers=args.layers,
-                                 max_positions=max(contexts) + args.new_tokens + 64, **SHAPES)
+    positions = max(_ints(args.batches)) * (max(contexts) + args.new_tokens + 64)  # max_model_len: see _launch
+    model_dir = write_checkpoint(work / "model", shards=1, layers=args.layers, max_positions=positions, **SHAPES)
     plans = {c: Plan.uniform(c, args.layers).save(work / "plans" / c.replace("/", "_")) for c in args.codecs.split(",")}
     model = load_model(model_dir)
     gen = torch.Generator().manual_seed(0)
