@@ -64,13 +64,14 @@ def _env() -> dict:
     return {**env, "MLAQUANT_VLLM_DECODE_BACKEND": "torch"}
 
 
-def _vllm_run(python: str, tmp: Path, name: str, model: Path, inputs: dict, *flags: str) -> dict:
-    """vLLM on `inputs` (mlaquant.integrations.vllm_run); its JSON report."""
+def _vllm_run(python: str, tmp: Path, name: str, model: Path, inputs: dict, *flags: str,
+              env: dict | None = None) -> dict:
+    """vLLM on `inputs` (mlaquant.integrations.vllm_run), with `env` added to the environment; its JSON report."""
     prompts, out = tmp / f"{name}.in.json", tmp / f"{name}.json"
     prompts.write_text(json.dumps(inputs))
     cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(prompts),
            "--max-tokens", str(NEW_TOKENS), "--long-tokens", str(LONG_TOKENS), "--out", str(out), *flags]
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -172,6 +173,19 @@ def test_preempted_requests_complete_with_the_same_tokens(served, session_tokens
     assert served["fp16-rotated"]["long_tokens"] == session_tokens["fp16-rotated"]["long"]
     assert served["default"]["preemptions"] == 0
     assert served["default"]["long_tokens"] == session_tokens["default"]["long"]
+
+
+def test_tensor_parallel_2_serves_the_plans_tokens(vllm_python, served, session_tokens, inputs, tmp_path):
+    """TP = 2 on CPU (vLLM's multiprocessing executor, one core per rank: VLLM_CPU_OMP_THREADS_BIND='0|1'; vLLM's
+    auto-bind would keep both cores for its scheduler): the 4 heads split 2 + 2, the latent cache whole on each rank.
+    The default plan's tokens are DecodeSession's, and each rank's capacity is TP = 1's: TP shards heads, not the
+    one latent row per token."""
+    tp2 = _vllm_run(vllm_python, tmp_path, "tp2", default_model_path(), {"prompts": inputs["prompts"]}, "--plan",
+                    str(PLANS / "default"), "--kv-cache-memory", str(KV_BYTES), "--max-model-len", "320",
+                    "--tensor-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert tp2["tensor_parallel_size"] == 2
+    assert tp2["tokens"] == session_tokens["default"]["prompts"]
+    assert tp2["capacity_tokens"] == served["default"]["capacity_tokens"]
 
 
 @pytest.fixture(scope="module")
