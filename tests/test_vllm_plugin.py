@@ -56,6 +56,47 @@ def test_version_check_names_the_supported_versions():
     assert "\n" not in str(e.value)
 
 
+def _fake_rope_module(monkeypatch, **methods) -> type:
+    """vLLM's rotary_embedding.base as a stand-in module whose RotaryEmbedding has `methods`: the shape of the
+    class `fix_cpu_rope` patches, for vLLM versions that are not installed here."""
+    import sys
+    import types
+
+    cls = type("RotaryEmbedding", (), methods)
+    names = ["vllm", "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.rotary_embedding",
+             "vllm.model_executor.layers.rotary_embedding.base"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].RotaryEmbedding = cls
+    return cls
+
+
+def test_rope_patch_fails_loudly_on_a_vllm_without_its_target(monkeypatch):
+    """A vLLM whose RotaryEmbedding has no forward_cpu (renamed, moved): one line naming the version the patch was
+    written for, and nothing patched."""
+    cls = _fake_rope_module(monkeypatch, forward_native=lambda self, positions, query, key=None: "native")
+    with pytest.raises(VLLMPluginError, match=f"fix was written for vLLM {SUPPORTED_VLLM[0]}") as e:
+        vllm_plugin.fix_cpu_rope()
+    assert "\n" not in str(e.value) and "forward_cpu" not in cls.__dict__
+
+
+def test_rope_patch_routes_3d_calls_to_vllms_torch_implementation(monkeypatch):
+    """Patched: [T, H, d] query / [T, 1, d] key go to forward_native, flattened [T, H·d] ones stay on the C op;
+    a second call does not wrap the wrapper."""
+    import torch
+
+    cls = _fake_rope_module(monkeypatch, forward_cpu=lambda self, positions, query, key=None: "c-op",
+                            forward_native=lambda self, positions, query, key=None: "native")
+    vllm_plugin.fix_cpu_rope()
+    patched = cls.forward_cpu
+    vllm_plugin.fix_cpu_rope()
+    assert cls.forward_cpu is patched
+    rope, pos = cls(), torch.arange(3)
+    assert rope.forward_cpu(pos, torch.zeros(3, 4, 8), torch.zeros(3, 1, 8)) == "native"
+    assert rope.forward_cpu(pos, torch.zeros(3, 32), torch.zeros(3, 8)) == "c-op"
+    assert rope.forward_cpu(pos, torch.zeros(3, 32), torch.zeros(3, 1, 8)) == "native"
+
+
 def test_register_does_nothing_without_a_plan(monkeypatch):
     """Installing mlaquant beside vLLM changes nothing: without MLAQUANT_PLAN, register imports no vLLM at all."""
     monkeypatch.delenv(vllm_plugin.PLAN_ENV, raising=False)
