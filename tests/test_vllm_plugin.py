@@ -187,3 +187,18 @@ def test_bench_vllm_without_vllm_is_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert "bench vllm: no vLLM here; pass --vllm-python or set MLAQUANT_VLLM_PYTHON" in err and "\n" not in err
     assert not out.exists()
+
+
+def test_bench_vllm_names_why_a_launch_failed():
+    """An OOM-killed worker ends vLLM's stderr with shutdown warnings: the report names the dead worker instead."""
+    from mlaquant.bench.vllm import launch_failure
+
+    stderr = ("(EngineCore pid=1) ERROR 12-05 23:52:10 [multiproc_executor.py:315] Worker proc VllmWorker-0 died "
+              "unexpectedly (exit code: None), shutting down executor.\n"
+              "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
+              "  warnings.warn('resource_tracker: There appear to be %d '\n")
+    assert launch_failure(stderr, 1) == ("Worker proc VllmWorker-0 died unexpectedly (exit code: None), shutting "
+                                         "down executor.")
+    assert launch_failure("Traceback\nValueError: Head dimension 160 is not supported by MLA\nbye\n", 1) == (
+        "ValueError: Head dimension 160 is not supported by MLA")
+    assert launch_failure("", 137) == "rc 137"

@@ -6,9 +6,9 @@ dtype's cache; under the plugin's CPU RoPE fix, which does not touch its speed) 
 `--codecs` (uniform plans, one codec pair per layer). Each row is one vLLM launch (`mlaquant.integrations.vllm_run`)
 on `batch` random prompts of `context` tokens stepped through vLLM's engine: one decode step of the batch (the
 median of the scheduler steps in which every request decoded, `vllm_run --time-decode`), and vLLM's KV capacity
-for the run's cache memory. mlaquant's own `DecodeSession` on the same
-model and prompts is timed beside them (its decode steps, after the same prefill), and llama.cpp where
-llama-cpp-python is installed (else the report says it was not).
+for the run's cache memory. mlaquant's own `DecodeSession` on the same model and prompts is timed beside them (its
+decode steps, after the same prefill; `--no-session` leaves it out), and llama.cpp where llama-cpp-python is
+installed (else the report says it was not).
 
 vLLM runs in the Python of `--vllm-python` (default: this one when it has vLLM, else MLAQUANT_VLLM_PYTHON). Its CPU
 worker runs on `--threads` cores (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1); the default is what vLLM's own auto-bind
@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="cores of vLLM's CPU worker and DecodeSession's torch threads (default: all but one)")
+    p.add_argument("--no-session", action="store_true",
+                   help="leave out mlaquant's DecodeSession row (its prefill is another long one at 16k contexts)")
 
 
 def vllm_python(given: str | None) -> str:
@@ -84,8 +86,19 @@ def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new:
            "--out", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}
+        return {"error": launch_failure(done.stderr, done.returncode)}
     return json.loads(out.read_text())
+
+
+def launch_failure(stderr: str, returncode: int) -> str:
+    """Why a vLLM launch failed, one line of its stderr: a worker that died (the kernel's OOM killer leaves no
+    traceback, and vLLM's last lines are then shutdown warnings), else the last error line, else the last line."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for mark in ("died unexpectedly", "Error"):
+        hits = [ln for ln in lines if mark in ln]
+        if hits:
+            return hits[-1].split("] ", 1)[-1]
+    return lines[-1] if lines else f"rc {returncode}"
 
 
 def _session_step(model, prompts: list, new: int, threads: int) -> float:
@@ -139,9 +152,10 @@ def run(args: argparse.Namespace) -> int:
                              "cpu_capability": r.get("cpu_capability"),
                              "step_vs_stock": _ratio(r.get("decode_step_s"), base.get("decode_step_s")),
                              "capacity_vs_stock": _ratio(r.get("capacity_tokens"), base.get("capacity_tokens"))})
-            step = _session_step(model, prompts, args.new_tokens, args.threads)
-            rows.append({"batch": batch, "context": context, "engine": "mlaquant DecodeSession fp16", "step_s": step,
-                         "step_vs_stock": _ratio(step, base.get("decode_step_s"))})
+            if not args.no_session:
+                step = _session_step(model, prompts, args.new_tokens, args.threads)
+                rows.append({"batch": batch, "context": context, "engine": "mlaquant DecodeSession fp16",
+                             "step_s": step, "step_vs_stock": _ratio(step, base.get("decode_step_s"))})
     llama = importlib.util.find_spec("llama_cpp") is not None
     report = {"rows": rows, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "shapes": SHAPES,
               "layers": args.layers, "dtype": args.dtype, "new_tokens": args.new_tokens, "threads": args.threads,
