@@ -45,7 +45,7 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from mlaquant.attention.backends import check_backend, cpu_routing
-from mlaquant.integrations.vllm_pages import LayerPages, rope_order
+from mlaquant.integrations.vllm_pages import LayerPages, causal_sdpa, rope_order
 from mlaquant.integrations.vllm_plugin import VLLMPluginError, cuda_codec_problem, plan_directory
 from mlaquant.modeling.loader import read_config
 from mlaquant.modeling.model import MLAConfig
@@ -251,14 +251,3 @@ class PlanMLAImpl(CPUMLAImpl):
             q_nope, q_pe = q[lo:hi].split([d_n, self.qk_rope_head_dim], dim=-1)
             query = torch.cat((q_nope.float(), self.pages.rope(q_pe)), dim=-1)  # [T, H, d_n + d_r]
             out[lo:hi] = causal_sdpa(query, k, v, self.scale).to(out.dtype)
-
-
-def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last T positions of a sequence over its L keys: q [T, H, D], k [L, H, D], v [L, H, E]
-    → [T, H, E] (torch's fused SDPA)."""
-    T, L = q.shape[0], k.shape[0]
-    positions = torch.arange(L, device=q.device)
-    mask = None if T == L else positions[None] <= positions[L - T :, None]  # [T, L]: key before or at the query
-    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                         attn_mask=mask, is_causal=mask is None, scale=scale)
-    return o.transpose(0, 1)

@@ -11,6 +11,8 @@ P: vLLM's DeepSeek applies RoPE interleaved (pairs (x0, x1), (x2, x3) …), mlaq
 dims (`mlaquant.modeling.loader` de-interleaves at load): the plan's k_pe rotation, groups and clip ranges are in that
 order. Scores are unchanged by a permutation or an orthogonal R applied to both sides. R_c is folded into the
 weights (W_UK, W_UV) by the backend, so it appears here only on the written rows.
+
+Prefill attention over the rows read back (`causal_sdpa`) runs in torch's fused kernels, never its math path.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mlaquant.attention import ops
 from mlaquant.quant.codecs import LayerCodec
@@ -75,3 +78,21 @@ class LayerPages:
         query = torch.cat((q_lat.float(), self.rope(q_pe)), dim=-1).contiguous()
         return ops.mla_decode(query, pages, block_table.to(torch.int32), seq_lens.to(torch.int32), self.codec,
                               self.d_c, scale, backend)
+
+
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last T positions of a sequence over its L keys: q [T, H, D], k [L, H, D], v [L, H, E]
+    → [T, H, E], by torch's fused SDPA only (flash on CPU, flash or memory-efficient on CUDA), never its math
+    fallback: that one holds the [H, T, L] scores (17 GB for one 16k-token prompt of 16 heads; 10.4 s against
+    1.8 s fused at 4k). The fused CPU kernel takes 4-D inputs with V as wide as K, so V is zero-padded to D and the
+    output cut back to E."""
+    T, L, E = q.shape[0], k.shape[0], v.shape[-1]
+    positions = torch.arange(L, device=q.device)
+    mask = None if T == L else positions[None] <= positions[L - T :, None]  # [T, L]: key before or at the query
+    if E < q.shape[-1]:
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - E))
+    heads_first = [x.transpose(0, 1)[None] for x in (q, k, v)]  # [1, H, ·, D]
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        o = torch.nn.functional.scaled_dot_product_attention(*heads_first, attn_mask=mask, is_causal=mask is None,
+                                                             scale=scale)
+    return o[0, ..., :E].transpose(0, 1)
