@@ -189,6 +189,17 @@ def test_bench_vllm_without_vllm_is_one_line(tmp_path, monkeypatch, capsys):
     assert not out.exists()
 
 
+def test_bench_vllm_prefill_one_needs_room_to_decode_together(tmp_path, capsys):
+    """--prefill one with too few new tokens would leave no step in which the whole batch decodes: one line, before
+    vLLM is asked for or anything is written."""
+    out = tmp_path / "bench"
+    args = ["--batches", "1,16", "--prefill", "one", "--new-tokens", "32"]
+    assert main(["bench", "vllm", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--prefill one needs --new-tokens > 2 x the largest batch (16)" in err and "\n" not in err
+    assert not out.exists()
+
+
 def test_bench_vllm_names_why_a_launch_failed():
     """An OOM-killed worker ends vLLM's stderr with shutdown warnings: the report names the dead worker instead."""
     from mlaquant.bench.vllm import launch_failure

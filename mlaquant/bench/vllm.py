@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", default=None)
     p.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="cores of vLLM's CPU worker and DecodeSession's torch threads (default: all but one)")
+    p.add_argument("--prefill", choices=("batch", "one"), default="batch",
+                   help="prompts vLLM prefills per scheduler step: the whole batch (then it decodes in lockstep), or "
+                        "one (less memory; needs --new-tokens > 2 x batch for steps in which the whole batch decodes)")
     p.add_argument("--no-session", action="store_true",
                    help="leave out mlaquant's DecodeSession row (its prefill is another long one at 16k contexts)")
 
@@ -73,16 +76,14 @@ def _ints(text: str) -> list[int]:
 
 
 def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new: int, memory: int, dtype: str,
-            threads: int, *flags: str) -> dict:
+            threads: int, model_len: int, *flags: str) -> dict:
     inp, out = work / f"{name}.in.json", work / f"{name}.json"
     inp.write_text(json.dumps({"prompts": prompts}))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLAQUANT_PLAN", "VLLM_CPU_KVCACHE"))}
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(inp),
            "--max-tokens", str(new), "--kv-cache-memory", str(memory), "--dtype", dtype,
-           # vLLM's CPU build prefills max_model_len tokens per step for MLA (vllm/platforms/cpu.py): room for the
-           # whole batch, so every prompt prefills in one step and the batch then decodes in lockstep
-           "--max-model-len", str(len(prompts) * (len(prompts[0]) + new + 16)), "--time-decode", *flags,
+           "--max-model-len", str(model_len), "--time-decode", *flags,
            "--out", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
@@ -123,28 +124,33 @@ def run(args: argparse.Namespace) -> int:
     from mlaquant.modeling.synthetic import write_checkpoint
     from mlaquant.runtime.plan import Plan
 
+    contexts, batches = _ints(args.contexts), _ints(args.batches)
+    if args.prefill == "one" and args.new_tokens <= 2 * max(batches):
+        raise MLAQuantError(f"bench vllm: --prefill one needs --new-tokens > 2 x the largest batch ({max(batches)}): "
+                            "the first prompts decode while the others prefill, one a step")
     python = vllm_python(args.vllm_python)
     out = Path(args.out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    contexts = _ints(args.contexts)
-    positions = max(_ints(args.batches)) * (max(contexts) + args.new_tokens + 64)  # max_model_len: see _launch
+    positions = max(batches) * (max(contexts) + args.new_tokens + 64)  # ≥ any max_model_len below
     model_dir = write_checkpoint(work / "model", shards=1, layers=args.layers, max_positions=positions, **SHAPES)
     plans = {c: Plan.uniform(c, args.layers).save(work / "plans" / c.replace("/", "_")) for c in args.codecs.split(",")}
     model = load_model(model_dir)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for context in contexts:
-        for batch in _ints(args.batches):
+        for batch in batches:
             prompts = torch.randint(1, 320, (batch, context), generator=gen).tolist()
             memory = 2 * batch * (context + args.new_tokens + 32) * args.layers * 576 * 4  # room at FP32, twice
             tag = f"b{batch}_c{context}"
+            # vLLM's CPU build prefills up to max_model_len tokens a step for MLA (vllm/platforms/cpu.py)
+            model_len = (batch if args.prefill == "batch" else 1) * (context + args.new_tokens + 16)
             runs = {"vLLM CPU_MLA": _launch(python, work, f"{tag}_stock", model_dir, prompts, args.new_tokens, memory,
-                                            args.dtype, args.threads, "--stock", "--rope-fix")}
+                                            args.dtype, args.threads, model_len, "--stock", "--rope-fix")}
             for codec, plan in plans.items():
                 runs[f"plugin {codec}"] = _launch(python, work, f"{tag}_{plan.name}", model_dir, prompts,
-                                                  args.new_tokens, memory, args.dtype, args.threads, "--plan",
-                                                  str(plan))
+                                                  args.new_tokens, memory, args.dtype, args.threads, model_len,
+                                                  "--plan", str(plan))
             base = runs["vLLM CPU_MLA"]
             for name, r in runs.items():
                 rows.append({"batch": batch, "context": context, "engine": name, "step_s": r.get("decode_step_s"),
@@ -159,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     llama = importlib.util.find_spec("llama_cpp") is not None
     report = {"rows": rows, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "shapes": SHAPES,
               "layers": args.layers, "dtype": args.dtype, "new_tokens": args.new_tokens, "threads": args.threads,
+              "prefill": args.prefill,
               "llama_cpp": "not run (llama-cpp-python not installed)" if not llama else
               "installed, not wired into this bench yet"}
     atomic_write(out / "report.json", json.dumps(report, indent=1))
@@ -174,7 +181,7 @@ def _ratio(a, b) -> float | None:
 def _markdown(report: dict) -> str:
     lines = [f"decode inside vLLM, {report['layers']} layers of 16 heads × (512 + 64), {report['dtype']} weights; "
              f"CPU capability {report['cpu_capability']}, {report['threads']} thread(s); "
-             f"llama.cpp: {report['llama_cpp']}", "",
+             f"prefill: {report['prefill']} a step; llama.cpp: {report['llama_cpp']}", "",
              "| batch | context | engine | decode step (ms) | vs vLLM CPU_MLA | KV capacity (tokens) | vs CPU_MLA |",
              "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
