@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from mlaquant.attention.reference import causal_attention
 from mlaquant.integrations.vllm_pages import LayerPages, causal_sdpa, rope_order
 from mlaquant.modeling.loader import load_model
 from mlaquant.quant.codecs import LayerCodec
@@ -109,14 +110,13 @@ def test_read_returns_what_was_written_in_token_order():
 @pytest.mark.parametrize("new", [40, 13])
 def test_prefill_attention_is_causal_softmax_over_the_rows(new):
     """causal_sdpa (the plugin's prefill: the last `new` of 40 positions over all 40 keys, V narrower than K as in
-    MLA) against an FP32 softmax written out; it runs only in torch's fused kernels (an input they refuse raises
-    instead of falling back to the math path, whose [H, T, L] scores do not fit at 16k tokens)."""
+    MLA) against mlaquant's FP32 reference (`causal_attention`, DecodeSession's prefill); it runs only in torch's
+    fused kernels (an input they refuse raises instead of falling back to the math path, whose [H, T, L] scores do
+    not fit at 16k tokens)."""
     gen = torch.Generator().manual_seed(0)
     L, H, D, E = 40, 3, 24, 16
     q, k, v = (torch.randn(n, H, d, generator=gen) for n, d in ((new, D), (L, D), (L, E)))
-    scores = torch.einsum("thd,lhd->htl", q, k) * 0.2
-    allowed = torch.arange(L)[None] <= torch.arange(L - new, L)[:, None]
-    want = torch.einsum("htl,lhe->the", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+    want = causal_attention(q[None], k[None], v[None], 0.2)[0]
     assert_close(causal_sdpa(q, k, v, 0.2), want, max_abs=1e-5, what="prefill attention")
     with pytest.raises(RuntimeError, match="No available kernel"):  # torch's message when only fused ones may run
         causal_sdpa(q, k[:, :2], v[:, :2], 0.2)
