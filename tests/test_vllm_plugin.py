@@ -213,3 +213,19 @@ def test_bench_vllm_names_why_a_launch_failed():
     assert launch_failure("Traceback\nValueError: Head dimension 160 is not supported by MLA\nbye\n", 1) == (
         "ValueError: Head dimension 160 is not supported by MLA")
     assert launch_failure("", 137) == "rc 137"
+
+
+def test_bench_vllm_reads_vllms_log_on_stdout_for_the_cause(tmp_path):
+    """vLLM logs to stdout and the traceback goes to stderr: a launch whose worker died reports the dead worker,
+    not the engine's EngineDeadError that ends stderr (a stand-in for vLLM's Python prints both and fails)."""
+    from mlaquant.bench.vllm import _launch
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n"
+                    "echo '(EngineCore pid=1) ERROR [multiproc_executor.py:315] Worker proc VllmWorker-0 died "
+                    "unexpectedly (exit code: None)'\n"
+                    "echo 'EngineDeadError: EngineCore encountered an issue.' >&2\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    run = _launch(str(fake), tmp_path, "stock", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--stock")
+    assert run == {"error": "Worker proc VllmWorker-0 died unexpectedly (exit code: None)"}

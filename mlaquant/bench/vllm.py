@@ -87,14 +87,15 @@ def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new:
            "--out", str(out)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        return {"error": launch_failure(done.stderr, done.returncode)}
+        return {"error": launch_failure(done.stdout + "\n" + done.stderr, done.returncode)}
     return json.loads(out.read_text())
 
 
-def launch_failure(stderr: str, returncode: int) -> str:
-    """Why a vLLM launch failed, one line of its stderr: a worker that died (the kernel's OOM killer leaves no
-    traceback, and vLLM's last lines are then shutdown warnings), else the last error line, else the last line."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+def launch_failure(output: str, returncode: int) -> str:
+    """Why a vLLM launch failed, one line of its output (vLLM logs to stdout, tracebacks go to stderr: both, in that
+    order): a worker that died (the kernel's OOM killer leaves no traceback, and the last error is then the engine's
+    EngineDeadError), else the last error line, else the last line."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
     for mark in ("died unexpectedly", "Error"):
         hits = [ln for ln in lines if mark in ln]
         if hits:
