@@ -236,6 +236,39 @@ def test_vllm_cpu_rope_is_wrong_for_mla_inputs_and_the_fix_routes_them(vllm_pyth
     assert fixed_3d == 0 and fixed_2d < 1e-5
 
 
+def test_bounded_prefill_is_vllms_own_prefill_row_for_row(vllm_python):
+    """`bound_cpu_prefill` against vLLM's own `CPUSDPAMLAPrefillBackend._ragged_sdpa` on ragged requests (the causal
+    new-token pass with and without log-sum-exp, and a context chunk with keys ≠ queries): the same outputs and
+    log-sum-exps, with no score block wider than the bound's rows."""
+    script = (
+        "import json, torch\n"
+        "from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend as B\n"
+        "from mlaquant.integrations.vllm_plugin import bound_cpu_prefill\n"
+        "torch.manual_seed(0)\n"
+        "impl = B.__new__(B); impl.scale = 0.3\n"
+        "cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])\n"
+        "qcu, kcu = cu([7, 12, 1, 5]), cu([9, 3, 20, 4])\n"
+        "q, k, v = torch.randn(25, 4, 24), torch.randn(25, 4, 24), torch.randn(25, 4, 16)\n"
+        "kc, vc = torch.randn(36, 4, 24), torch.randn(36, 4, 16)\n"
+        "calls = [(q, k, v, qcu, qcu, True, True), (q, k, v, qcu, qcu, True, False),\n"
+        "         (q, kc, vc, qcu, kcu, False, True)]\n"
+        "flat = lambda r: r if isinstance(r, tuple) else (r,)\n"
+        "ref = [flat(B._ragged_sdpa(impl, *c)) for c in calls]\n"
+        "original = B._ragged_sdpa; bound_cpu_prefill(5)\n"
+        "rows, mm = [], torch.matmul\n"
+        "torch.matmul = lambda a, b: (rows.append(a.shape[-2]), mm(a, b))[1]\n"
+        "got = [flat(B._ragged_sdpa(impl, *c)) for c in calls]\n"
+        "torch.matmul = mm\n"
+        "gaps = [(x - y).abs().max().item() for r, g in zip(ref, got) for x, y in zip(r, g)]\n"
+        "print(json.dumps({'replaced': B._ragged_sdpa is not original, 'gaps': gaps, 'rows': max(rows)}))\n"
+    )
+    done = subprocess.run([vllm_python, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["replaced"] and found["rows"] == 5
+    assert len(found["gaps"]) == 5 and max(found["gaps"]) < 1e-5
+
+
 def _plugin_errors(python: str, script: str) -> list[str]:
     done = subprocess.run([python, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -97,10 +97,61 @@ def test_rope_patch_routes_3d_calls_to_vllms_torch_implementation(monkeypatch):
     assert rope.forward_cpu(pos, torch.zeros(3, 32), torch.zeros(3, 1, 8)) == "native"
 
 
+def _fake_prefill_module(monkeypatch, **methods) -> type:
+    """vLLM's MLA CPU prefill module as a stand-in whose CPUSDPAMLAPrefillBackend has `methods`."""
+    import sys
+    import types
+
+    cls = type("CPUSDPAMLAPrefillBackend", (), methods)
+    names = ["vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends", "vllm.v1.attention.backends.mla",
+             "vllm.v1.attention.backends.mla.prefill", "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules[names[-1]].CPUSDPAMLAPrefillBackend = cls
+    return cls
+
+
+def test_prefill_bound_fails_loudly_on_a_vllm_without_its_target(monkeypatch):
+    """A vLLM whose CPU MLA prefill has no `_ragged_sdpa` (renamed), or no such module: one line naming the version
+    the bound was written for, nothing patched. (Its math against vLLM's own: tests/test_vllm_live.py.)"""
+    cls = _fake_prefill_module(monkeypatch, run_prefill_new_tokens=lambda self: None)
+    with pytest.raises(VLLMPluginError, match=f"no CPUSDPAMLAPrefillBackend._ragged_sdpa .*vLLM {SUPPORTED_VLLM[0]}"):
+        vllm_plugin.bound_cpu_prefill(1024)
+    assert "_ragged_sdpa" not in cls.__dict__
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.mla.prefill.cpu_sdpa", types.ModuleType("x"))
+    with pytest.raises(VLLMPluginError, match="no CPUSDPAMLAPrefillBackend") as e:
+        vllm_plugin.bound_cpu_prefill(1024)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "1k", ""])
+def test_prefill_rows_is_a_positive_count(value):
+    with pytest.raises(VLLMPluginError, match=f"MLAQUANT_VLLM_PREFILL_ROWS={value}: expected a positive number"):
+        vllm_plugin.prefill_rows(value)
+    assert vllm_plugin.prefill_rows("1024") == 1024
+
+
+def test_register_with_prefill_rows_alone_bounds_the_prefill_and_nothing_else(monkeypatch):
+    """MLAQUANT_VLLM_PREFILL_ROWS without a plan: vLLM's own prefill bounded, no RoPE fix, no backend registered."""
+    import sys
+
+    cls = _fake_prefill_module(monkeypatch, _ragged_sdpa=lambda self: None)
+    sys.modules["vllm"].__version__ = SUPPORTED_VLLM[0]
+    monkeypatch.delenv(vllm_plugin.PLAN_ENV, raising=False)
+    monkeypatch.delenv(vllm_plugin.ROPE_FIX_ENV, raising=False)
+    monkeypatch.setenv(vllm_plugin.PREFILL_ROWS_ENV, "256")
+    vllm_plugin.register()  # no rotary_embedding / registry module in the stand-in: the RoPE fix would raise
+    assert cls._ragged_sdpa.mlaquant_rows == 256
+
+
 def test_register_does_nothing_without_a_plan(monkeypatch):
     """Installing mlaquant beside vLLM changes nothing: without MLAQUANT_PLAN, register imports no vLLM at all."""
     monkeypatch.delenv(vllm_plugin.PLAN_ENV, raising=False)
     monkeypatch.delenv(vllm_plugin.ROPE_FIX_ENV, raising=False)
+    monkeypatch.delenv(vllm_plugin.PREFILL_ROWS_ENV, raising=False)
     vllm_plugin.register()  # vLLM is not installed in this venv: an import would raise
 
 
@@ -229,3 +280,23 @@ def test_bench_vllm_reads_vllms_log_on_stdout_for_the_cause(tmp_path):
     fake.chmod(0o755)
     run = _launch(str(fake), tmp_path, "stock", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--stock")
     assert run == {"error": "Worker proc VllmWorker-0 died unexpectedly (exit code: None)"}
+
+
+def test_bench_vllm_bounds_only_the_stock_prefill(tmp_path):
+    """`--stock-prefill-rows` reaches vLLM's own backend's launch as MLAQUANT_VLLM_PREFILL_ROWS, and a plugin launch
+    never inherits it from the caller's environment (a stand-in for vLLM's Python prints what it was given)."""
+    import os
+
+    from mlaquant.bench.vllm import _launch
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho \"rows=$MLAQUANT_VLLM_PREFILL_ROWS\"\nexit 1\n")
+    fake.chmod(0o755)
+    os.environ["MLAQUANT_VLLM_PREFILL_ROWS"] = "7"
+    try:
+        plugin = _launch(str(fake), tmp_path, "p", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--plan", "x")
+        stock = _launch(str(fake), tmp_path, "s", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--stock",
+                        prefill_rows=1024)
+    finally:
+        del os.environ["MLAQUANT_VLLM_PREFILL_ROWS"]
+    assert plugin == {"error": "rows="} and stock == {"error": "rows=1024"}

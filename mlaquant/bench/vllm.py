@@ -2,7 +2,9 @@
 
 A DeepSeek-V2-Lite-shaped attention (16 heads, d_c 512, d_r 64; `--layers` layers, a small MoE, synthetic weights:
 `mlaquant.modeling.synthetic`) served by vLLM on the CPU, per batch × context: vLLM's own `CPU_MLA` (the model
-dtype's cache; under the plugin's CPU RoPE fix, which does not touch its speed) and the plugin with each plan of
+dtype's cache; under the plugin's CPU RoPE fix, which does not touch its speed, and with its prefill attention
+run `--stock-prefill-rows` query rows at a time, the same math, so that a 16k prompt fits in 24 GB; its decode is
+untouched: `vllm_plugin.bound_cpu_prefill`) and the plugin with each plan of
 `--codecs` (uniform plans, one codec pair per layer). Each row is one vLLM launch (`mlaquant.integrations.vllm_run`)
 on `batch` random prompts of `context` tokens stepped through vLLM's engine: one decode step of the batch (the
 median of the scheduler steps in which every request decoded, `vllm_run --time-decode`), and vLLM's KV capacity
@@ -34,6 +36,7 @@ import torch
 
 from mlaquant.atomic import atomic_write
 from mlaquant.errors import MLAQuantError
+from mlaquant.integrations.vllm_plugin import PREFILL_ROWS_ENV
 
 SHAPES = dict(hidden=1024, heads=16, kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, q_lora_rank=None,
               intermediate=1024, experts=4, moe_intermediate=256)  # fmt: skip
@@ -54,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", choices=("batch", "one"), default="batch",
                    help="prompts vLLM prefills per scheduler step: the whole batch (then it decodes in lockstep), or "
                         "one (less memory; needs --new-tokens > 2 x batch for steps in which the whole batch decodes)")
+    p.add_argument("--stock-prefill-rows", type=int, default=1024,
+                   help="vLLM CPU_MLA's own prefill attention this many query rows at a time (the plugin's "
+                        "MLAQUANT_VLLM_PREFILL_ROWS: its dense heads x T x T scores are 17 GB at 16k); "
+                        "0: as vLLM has it")
     p.add_argument("--no-session", action="store_true",
                    help="leave out mlaquant's DecodeSession row (its prefill is another long one at 16k contexts)")
 
@@ -76,11 +83,14 @@ def _ints(text: str) -> list[int]:
 
 
 def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new: int, memory: int, dtype: str,
-            threads: int, model_len: int, *flags: str) -> dict:
+            threads: int, model_len: int, *flags: str, prefill_rows: int = 0) -> dict:
     inp, out = work / f"{name}.in.json", work / f"{name}.json"
     inp.write_text(json.dumps({"prompts": prompts}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLAQUANT_PLAN", "VLLM_CPU_KVCACHE"))}
+    skip = ("MLAQUANT_PLAN", "VLLM_CPU_KVCACHE", PREFILL_ROWS_ENV)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(skip)}
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+    if prefill_rows:
+        env[PREFILL_ROWS_ENV] = str(prefill_rows)
     cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(inp),
            "--max-tokens", str(new), "--kv-cache-memory", str(memory), "--dtype", dtype,
            "--max-model-len", str(model_len), "--time-decode", *flags,
@@ -147,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
             # vLLM's CPU build prefills up to max_model_len tokens a step for MLA (vllm/platforms/cpu.py)
             model_len = (batch if args.prefill == "batch" else 1) * (context + args.new_tokens + 16)
             runs = {"vLLM CPU_MLA": _launch(python, work, f"{tag}_stock", model_dir, prompts, args.new_tokens, memory,
-                                            args.dtype, args.threads, model_len, "--stock", "--rope-fix")}
+                                            args.dtype, args.threads, model_len, "--stock", "--rope-fix",
+                                            prefill_rows=args.stock_prefill_rows)}
             for codec, plan in plans.items():
                 runs[f"plugin {codec}"] = _launch(python, work, f"{tag}_{plan.name}", model_dir, prompts,
                                                   args.new_tokens, memory, args.dtype, args.threads, model_len,
@@ -166,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     llama = importlib.util.find_spec("llama_cpp") is not None
     report = {"rows": rows, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "shapes": SHAPES,
               "layers": args.layers, "dtype": args.dtype, "new_tokens": args.new_tokens, "threads": args.threads,
-              "prefill": args.prefill,
+              "prefill": args.prefill, "stock_prefill_rows": args.stock_prefill_rows,
               "llama_cpp": "not run (llama-cpp-python not installed)" if not llama else
               "installed, not wired into this bench yet"}
     atomic_write(out / "report.json", json.dumps(report, indent=1))
@@ -179,10 +190,15 @@ def _ratio(a, b) -> float | None:
     return None if not a or not b else a / b
 
 
+def _rows_text(rows: int | None) -> str:
+    return f"{rows} query rows at a time (decode untouched)" if rows else "whole prompts, as vLLM has it"
+
+
 def _markdown(report: dict) -> str:
     lines = [f"decode inside vLLM, {report['layers']} layers of 16 heads × (512 + 64), {report['dtype']} weights; "
              f"CPU capability {report['cpu_capability']}, {report['threads']} thread(s); "
-             f"prefill: {report['prefill']} a step; llama.cpp: {report['llama_cpp']}", "",
+             f"prefill: {report['prefill']} a step; vLLM CPU_MLA's prefill attention: "
+             f"{_rows_text(report.get('stock_prefill_rows'))}; llama.cpp: {report['llama_cpp']}", "",
              "| batch | context | engine | decode step (ms) | vs vLLM CPU_MLA | KV capacity (tokens) | vs CPU_MLA |",
              "|---|---|---|---|---|---|---|"]
     for r in report["rows"]:

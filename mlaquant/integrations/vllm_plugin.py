@@ -31,6 +31,7 @@ SUPPORTED_VLLM = ("0.32.0",)
 PLAN_ENV = "MLAQUANT_PLAN"
 PLAN_SUBDIR = "mlaquant_plan"  # where `mlaquant export --codecs plan` puts the plan inside a model directory
 ROPE_FIX_ENV = "MLAQUANT_VLLM_ROPE_FIX"  # "1": only the CPU RoPE fix, no plan backend (vLLM's own backends, corrected)
+PREFILL_ROWS_ENV = "MLAQUANT_VLLM_PREFILL_ROWS"  # "N": vLLM's own CPU MLA prefill attention, N query rows at a time
 BACKEND_PATH = "mlaquant.integrations.vllm_backend.PlanMLABackend"
 CPU_BACKENDS = ("CPU_MLA", "AMX_MLA")
 
@@ -100,18 +101,75 @@ def fix_cpu_rope() -> None:
     RotaryEmbedding.forward_cpu = forward_cpu
 
 
+def bound_cpu_prefill(rows: int) -> None:
+    """Run vLLM's own CPU MLA prefill attention `rows` query rows at a time.
+
+    vLLM 0.32's CPU MLA prefill (`CPUSDPAMLAPrefillBackend._ragged_sdpa`,
+    vllm/v1/attention/backends/mla/prefill/cpu_sdpa.py) forms each request's whole FP32 score matrix, heads × T × T
+    (16 × 16,384² × 4 B = 17 GB, and as much again for the softmax), and its CPU platform turns chunked prefill off
+    for MLA (vllm/platforms/cpu.py), so a 16k prompt is OOM-killed on a 24 GB machine. This replacement keeps its
+    math row for row — FP32 scores, its top-left causal mask, softmax, its log-sum-exp — on blocks of `rows`
+    queries against the keys they can see, so memory is heads × rows × T. Decode (`forward_mqa`) is untouched: this
+    is what lets `mlaquant bench vllm` time vLLM's own decode at long contexts. VLLMPluginError when this vLLM has
+    no `_ragged_sdpa` to replace."""
+    import torch
+
+    try:
+        from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend as backend
+    except ImportError:
+        backend = None
+    if backend is None or "_ragged_sdpa" not in backend.__dict__:
+        raise VLLMPluginError(f"{PREFILL_ROWS_ENV}: this vLLM has no CPUSDPAMLAPrefillBackend._ragged_sdpa to bound: "
+                              f"written for vLLM {', '.join(SUPPORTED_VLLM)}")
+
+    def _ragged_sdpa(self, q, k, v, q_cu_seq_lens, kv_cu_seq_lens, causal, return_softmax_lse):
+        outs, lses = [], []
+        for r in range(q_cu_seq_lens.numel() - 1):
+            q0, q1, k0, k1 = (int(x) for x in (q_cu_seq_lens[r], q_cu_seq_lens[r + 1], kv_cu_seq_lens[r],
+                                               kv_cu_seq_lens[r + 1]))
+            q_r, k_r, v_r = (t.transpose(0, 1).float() for t in (q[q0:q1], k[k0:k1], v[k0:k1]))  # [NH, S, d]
+            for a in range(0, q1 - q0, rows):
+                b = min(a + rows, q1 - q0)
+                keys = min(b, k1 - k0) if causal else k1 - k0  # query i sees keys ≤ i (vLLM's triu(1) mask)
+                scores = torch.matmul(q_r[:, a:b], k_r[:, :keys].transpose(-2, -1)) * self.scale
+                if causal:
+                    mask = torch.ones((b - a, keys), dtype=torch.bool, device=scores.device).triu(1 + a)
+                    scores.masked_fill_(mask.unsqueeze(0), float("-inf"))
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+                outs.append(torch.matmul(probs, v_r[:, :keys]).transpose(0, 1).to(v.dtype))  # [rows, NH, d_v]
+                if return_softmax_lse:
+                    lses.append(torch.logsumexp(scores, dim=-1))  # [NH, rows]
+        out = torch.cat(outs, dim=0)
+        return (out, torch.cat(lses, dim=1)) if return_softmax_lse else out
+
+    _ragged_sdpa.mlaquant_rows = rows
+    backend._ragged_sdpa = _ragged_sdpa
+
+
+def prefill_rows(value: str) -> int:
+    """`MLAQUANT_VLLM_PREFILL_ROWS`'s value as a positive int; VLLMPluginError (one line) otherwise."""
+    if not value.isdigit() or int(value) < 1:
+        raise VLLMPluginError(f"{PREFILL_ROWS_ENV}={value}: expected a positive number of query rows")
+    return int(value)
+
+
 def register() -> None:
     """vLLM's `vllm.general_plugins` entry point: with `MLAQUANT_PLAN` set, check the vLLM version, fix vLLM's CPU
     RoPE for MLA (`fix_cpu_rope`) and register the plan backend under CPU_MLA, AMX_MLA and CUSTOM
     (vllm/v1/attention/backends/registry.py `register_backend`); with only `MLAQUANT_VLLM_ROPE_FIX=1`, the RoPE fix
-    alone (vLLM's own backends, on the model the plan was measured on); with neither, nothing."""
+    alone (vLLM's own backends, on the model the plan was measured on); with `MLAQUANT_VLLM_PREFILL_ROWS=N` also
+    vLLM's own CPU MLA prefill bounded to N query rows at a time (`bound_cpu_prefill`); with none, nothing."""
     plan, rope_only = os.environ.get(PLAN_ENV), os.environ.get(ROPE_FIX_ENV) == "1"
-    if not plan and not rope_only:
+    rows = os.environ.get(PREFILL_ROWS_ENV)
+    if not plan and not rope_only and not rows:
         return
     import vllm
 
     check_vllm_version(vllm.__version__)
-    fix_cpu_rope()
+    if rows:
+        bound_cpu_prefill(prefill_rows(rows))
+    if plan or rope_only:
+        fix_cpu_rope()
     if not plan:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
