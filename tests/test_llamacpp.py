@@ -2,7 +2,8 @@
 
 Tier 1: the padded checkpoint is the same function as the original (exact, mlaquant only); llama.cpp with an
 f16 latent cache reproduces mlaquant's FP16-cache mean NLL. Tier 3: llama.cpp's q8_0 / q4_0 caches cost a
-little / more than f16. The llama.cpp tests skip with `unavailable()`'s reason where llama.cpp cannot run.
+little / more than f16. The speed bench's batched decode (`decode_steps`) generates what llama.cpp's own prefill
+predicts. The llama.cpp tests skip with `unavailable()`'s reason where llama.cpp cannot run.
 """
 
 from __future__ import annotations
@@ -113,3 +114,42 @@ def test_conversion_failure_is_one_line(gguf, tmp_path):
 def test_unknown_cache_type_is_refused(gguf, tokens):
     with pytest.raises(MLAQuantError, match="q5_1"):
         llamacpp.token_nll(gguf, tokens, "q5_1")
+    with pytest.raises(MLAQuantError, match="q5_1"):
+        llamacpp.decode_steps(gguf, tokens.tolist(), 4, "q5_1", 1)
+
+
+def test_batched_decode_follows_llama_cpps_own_prefill(gguf, tokens):
+    """`decode_steps` (the speed bench's llama.cpp peer: every sequence one token a `llama_decode`, each its own
+    sequence id and positions) generates, per prompt, the argmax of llama.cpp's one-sequence prefill over that prompt
+    and the tokens before: a mixed-up sequence id, position or logits row gives other tokens."""
+    prompts = [tokens[0, :40].tolist(), tokens[1, :23].tolist(), tokens[0, 100:131].tolist()]
+    out, steps = llamacpp.decode_steps(gguf, prompts, 6, "f16", 1, chunk=16)  # chunk < prompts: chunked prefill
+    assert len(steps) == 4 and all(s > 0 for s in steps)
+    for prompt, got in zip(prompts, out):
+        logits = llamacpp.token_logits(gguf, torch.tensor([prompt + got[:-1]]), "f16", n_threads=1)
+        assert logits[0, len(prompt) - 1 :].argmax(-1).tolist() == got
+
+
+def test_a_merge_free_tokenizer_gets_one_merge_and_keeps_its_ids(tmp_path):
+    """llama.cpp refuses a BPE vocabulary without merges: `add_a_merge` adds "a"+"b" under a fresh id inside
+    vocab_size; every byte and <eos> keep their ids; a tokenizer with merges is left alone; no free id → one line."""
+    from tokenizers import Tokenizer
+
+    from mlaquant.modeling.synthetic import EOS_ID, byte_tokenizer
+
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": EOS_ID + 2}))
+    before = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    llamacpp.add_a_merge(tmp_path)
+    after = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert after.encode("ab").ids == [EOS_ID + 1]
+    assert before.encode("ab").ids == after.encode("a").ids + after.encode("b").ids
+    assert after.encode("xyz<eos>").ids == before.encode("xyz<eos>").ids
+    written = (tmp_path / "tokenizer.json").read_text()
+    llamacpp.add_a_merge(tmp_path)
+    assert (tmp_path / "tokenizer.json").read_text() == written
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": EOS_ID + 1}))
+    with pytest.raises(MLAQuantError, match="no id left in vocab_size") as e:
+        llamacpp.add_a_merge(tmp_path)
+    assert "\n" not in str(e.value)

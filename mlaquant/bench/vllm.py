@@ -10,7 +10,9 @@ on `batch` random prompts of `context` tokens stepped through vLLM's engine: one
 median of the scheduler steps in which every request decoded, `vllm_run --time-decode`), and vLLM's KV capacity
 for the run's cache memory. mlaquant's own `DecodeSession` on the same model and prompts is timed beside them (its
 decode steps, after the same prefill; `--no-session` leaves it out), and llama.cpp where llama-cpp-python is
-installed (else the report says it was not).
+installed (else the report says why not; `--no-llama-cpp` leaves it out): its batched decode with a q8_0 and a q4_0
+latent cache (`mlaquant.integrations.llamacpp.decode_steps`) on the same prompts, on a sibling model whose query
+goes through a rank-512 LoRA (llama.cpp's loader needs one below 26 layers); its cached latent has the same shape.
 
 vLLM runs in the Python of `--vllm-python` (default: this one when it has vLLM, else MLAQUANT_VLLM_PYTHON). Its CPU
 worker runs on `--threads` cores (VLLM_CPU_OMP_THREADS_BIND=0-(threads-1); the default is what vLLM's own auto-bind
@@ -40,6 +42,8 @@ from mlaquant.integrations.vllm_plugin import PREFILL_ROWS_ENV
 
 SHAPES = dict(hidden=1024, heads=16, kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, q_lora_rank=None,
               intermediate=1024, experts=4, moe_intermediate=256)  # fmt: skip
+LLAMA_CACHES = ("q8_0", "q4_0")
+LLAMA_Q_LORA_RANK = 512
 DEFAULT_CODECS = ("fp16", "int8-row/int8-row", "int4-row/int4-row", "band-4x64-3x128-2x64-0x256/int4-row")
 
 
@@ -61,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vLLM CPU_MLA's own prefill attention this many query rows at a time (the plugin's "
                         "MLAQUANT_VLLM_PREFILL_ROWS: its dense heads x T x T scores are 17 GB at 16k); "
                         "0: as vLLM has it")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave out llama.cpp's rows where it is installed")
     p.add_argument("--no-session", action="store_true",
                    help="leave out mlaquant's DecodeSession row (its prefill is another long one at 16k contexts)")
 
@@ -147,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = write_checkpoint(work / "model", shards=1, layers=args.layers, max_positions=positions, **SHAPES)
     plans = {c: Plan.uniform(c, args.layers).save(work / "plans" / c.replace("/", "_")) for c in args.codecs.split(",")}
     model = load_model(model_dir)
+    llama_gguf, llama_note = _llama_model(work, args)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for context in contexts:
@@ -170,20 +176,61 @@ def run(args: argparse.Namespace) -> int:
                              "cpu_capability": r.get("cpu_capability"),
                              "step_vs_stock": _ratio(r.get("decode_step_s"), base.get("decode_step_s")),
                              "capacity_vs_stock": _ratio(r.get("capacity_tokens"), base.get("capacity_tokens"))})
+            if llama_gguf is not None:
+                rows += _llama_rows(llama_gguf, batch, context, prompts, args, base.get("decode_step_s"))
             if not args.no_session:
                 step = _session_step(model, prompts, args.new_tokens, args.threads)
                 rows.append({"batch": batch, "context": context, "engine": "mlaquant DecodeSession fp16",
                              "step_s": step, "step_vs_stock": _ratio(step, base.get("decode_step_s"))})
-    llama = importlib.util.find_spec("llama_cpp") is not None
     report = {"rows": rows, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "shapes": SHAPES,
               "layers": args.layers, "dtype": args.dtype, "new_tokens": args.new_tokens, "threads": args.threads,
-              "prefill": args.prefill, "stock_prefill_rows": args.stock_prefill_rows,
-              "llama_cpp": "not run (llama-cpp-python not installed)" if not llama else
-              "installed, not wired into this bench yet"}
+              "prefill": args.prefill, "stock_prefill_rows": args.stock_prefill_rows, "llama_cpp": llama_note}
     atomic_write(out / "report.json", json.dumps(report, indent=1))
     atomic_write(out / "report.md", _markdown(report))
     print(_markdown(report))
     return 0
+
+
+def _llama_model(work: Path, args: argparse.Namespace) -> tuple[Path | None, str]:
+    """llama.cpp's GGUF of the bench model and the report's note on llama.cpp: the same attention, but the query
+    through a rank-512 LoRA (DeepSeek-V3's q_a / q_b), since llama.cpp's deepseek2 loader takes a q_lora-free model
+    at 26 or 27 layers only; f32 weights like vLLM's; converted by llama.cpp's own converter
+    (`mlaquant.integrations.llamacpp.convert`). (None, why) where llama.cpp is not installed or not asked for."""
+    from mlaquant.integrations import llamacpp
+
+    if args.no_llama_cpp:
+        return None, "left out (--no-llama-cpp)"
+    why = llamacpp.unavailable()
+    if why:
+        return None, f"not run: {why}"
+    from mlaquant.modeling.synthetic import write_checkpoint
+
+    positions = max(_ints(args.batches)) * (max(_ints(args.contexts)) + args.new_tokens + 64)
+    model = write_checkpoint(work / "model-qlora", shards=1, layers=args.layers, max_positions=positions,
+                             **{**SHAPES, "q_lora_rank": LLAMA_Q_LORA_RANK})
+    llamacpp.add_a_merge(model)
+    import llama_cpp
+
+    gguf = work / "model-qlora.gguf"
+    if not gguf.is_file():
+        llamacpp.convert(model, gguf)
+    return gguf, (f"llama-cpp-python {llama_cpp.__version__}, the model with a rank-{LLAMA_Q_LORA_RANK} query LoRA "
+                  "(its loader's condition), flash attention, q8_0 / q4_0 latent cache")
+
+
+def _llama_rows(gguf: Path, batch: int, context: int, prompts: list, args: argparse.Namespace,
+                stock_step: float | None) -> list[dict]:
+    """llama.cpp's decode step (`llamacpp.decode_steps`, median) per latent cache type, on `args.threads` threads
+    (its untimed prefill on every core)."""
+    from mlaquant.integrations.llamacpp import decode_steps
+
+    rows = []
+    for cache in LLAMA_CACHES:
+        _, steps = decode_steps(gguf, prompts, args.new_tokens, cache, args.threads)
+        step = sorted(steps)[len(steps) // 2]
+        rows.append({"batch": batch, "context": context, "engine": f"llama.cpp {cache} latent", "step_s": step,
+                     "step_vs_stock": _ratio(step, stock_step)})
+    return rows
 
 
 def _ratio(a, b) -> float | None:

@@ -1,5 +1,6 @@
-"""llama.cpp as a peer engine: a Hugging Face MLA checkpoint → GGUF, and per-token NLLs from llama.cpp (through
-llama-cpp-python) with its latent cache in f16 / q8_0 / q4_0.
+"""llama.cpp as a peer engine: a Hugging Face MLA checkpoint → GGUF, per-token NLLs from llama.cpp (through
+llama-cpp-python) with its latent cache in f16 / q8_0 / q4_0, and its batched greedy decode, timed per step, for
+`mlaquant bench vllm` (`decode_steps`).
 
 What llama.cpp does with an MLA cache (llama.cpp source, as vendored in llama-cpp-python 0.3.36):
 
@@ -33,6 +34,8 @@ Loading the bundled model takes three adaptations, none of which changes what th
               so the converter runs in a subprocess (`python -m mlaquant.integrations.llamacpp`) whose
               `TextModel.get_vocab_base_pre` answers "gpt-2" where the hash is unknown. Token ids are fed
               directly, so the pre-tokenizer never runs: these GGUFs are for scoring ids, not for text.
+              llama.cpp's BPE loader also needs merges, which mlaquant's synthetic byte tokenizer has none of:
+              `add_a_merge` gives it one, never applied to ids.
 
 Converted GGUFs are cached by a digest of the checkpoint's files (`gguf_for`).
 """
@@ -41,12 +44,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -172,6 +177,25 @@ def convert(model_dir: str | Path, out_file: str | Path, timeout: float = 1800.0
     return out_file
 
 
+def add_a_merge(model_dir: str | Path) -> None:
+    """Give the checkpoint's merge-free byte-level BPE tokenizer (`mlaquant.modeling.synthetic`) one merge, "a" +
+    "b" → a new id after the last: llama.cpp's BPE vocabulary loader refuses a GGUF without merges ("cannot find
+    tokenizer merges in model file", src/llama-vocab.cpp). Token ids are fed directly, so the merge is never applied;
+    the new id must fit in the model's vocab_size. Rewrites tokenizer.json in place (atomically)."""
+    from mlaquant.atomic import atomic_write
+
+    path = Path(model_dir) / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    vocab, merges = tok["model"]["vocab"], tok["model"]["merges"]
+    if merges:
+        return
+    new_id = 1 + max([*vocab.values(), *(t["id"] for t in tok.get("added_tokens", []))])
+    if new_id >= json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]:
+        raise MLAQuantError(f"{model_dir}: no id left in vocab_size for a tokenizer merge")
+    vocab["ab"], tok["model"]["merges"] = new_id, [["a", "b"]]
+    atomic_write(path, json.dumps(tok, ensure_ascii=False))
+
+
 def checkpoint_digest(model_dir: str | Path) -> str:
     """sha256 (hex) over config.json, tokenizer.json and every weight file of the checkpoint (sorted by name)."""
     from mlaquant.modeling.loader import weight_files
@@ -250,6 +274,76 @@ def token_nll(
     entry [n, t] = −log p(tokens[n, t+1] | tokens[n, ≤ t])."""
     logp = torch.log_softmax(token_logits(gguf_path, tokens, cache_type, n_threads, flash_attn)[:, :-1].double(), -1)
     return -logp.gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def decode_steps(
+    gguf_path: str | Path, prompts: list[list[int]], new: int, cache_type: str, n_threads: int, chunk: int = 2048,
+    prefill_threads: int | None = None,
+) -> tuple[list[list[int]], list[float]]:
+    """llama.cpp's batched greedy decode: `prompts` (token ids, one sequence each) prefilled `chunk` tokens a call,
+    then `new` steps that each decode one token of every sequence in one `llama_decode` — vLLM's continuous batch
+    of equal sequences. Returns (the greedy tokens per prompt, the wall time of each decode step after the first).
+    Latent cache `cache_type` (f16 / q8_0 / q4_0, flash attention on: the module docstring), decode on `n_threads`
+    threads (llama.cpp runs a multi-token batch on n_threads_batch: both are set), the untimed prefill on
+    `prefill_threads` (default: every core), one KV stream per sequence (llama.cpp's default, kv_unified off),
+    through llama-cpp-python's C API."""
+    import ctypes
+
+    import llama_cpp
+    import numpy as np
+
+    if cache_type not in CACHE_TYPES:
+        raise MLAQuantError(f"cache type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does: errors only
+    llama_cpp.llama_backend_init()
+    model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), llama_cpp.llama_model_default_params())
+    if not model:
+        raise MLAQuantError(f"{gguf_path}: llama.cpp could not load the model")
+    params = llama_cpp.llama_context_default_params()
+    per_seq = -(-(max(map(len, prompts)) + new) // 256) * 256
+    params.n_ctx, params.n_seq_max = per_seq * len(prompts), len(prompts)
+    params.n_batch = params.n_ubatch = max(chunk, len(prompts))
+    params.n_threads = params.n_threads_batch = prefill_threads or os.cpu_count() or n_threads
+    params.type_k = params.type_v = CACHE_TYPES[cache_type]
+    params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    ctx = llama_cpp.llama_init_from_model(model, params)
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
+    n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
+
+    def run(entries: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) entries."""
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        batch.n_tokens = len(entries)
+        if (rc := llama_cpp.llama_decode(ctx, batch)) != 0:
+            raise MLAQuantError(f"{gguf_path}: llama_decode returned {rc}")
+
+    def greedy(i: int) -> int:
+        row = llama_cpp.llama_get_logits_ith(ctx, i)
+        return int(np.ctypeslib.as_array(ctypes.cast(row, ctypes.POINTER(ctypes.c_float)), (n_vocab,)).argmax())
+
+    try:
+        out = []
+        for seq, prompt in enumerate(prompts):
+            for start in range(0, len(prompt), params.n_batch):
+                part = prompt[start : start + params.n_batch]
+                run([(t, start + j, seq, start + j == len(prompt) - 1) for j, t in enumerate(part)])
+            out.append([greedy(len(part) - 1)])
+        llama_cpp.llama_set_n_threads(ctx, n_threads, n_threads)
+        times = []
+        for step in range(new - 1):
+            started = time.perf_counter()
+            run([(toks[-1], len(prompt) + step, seq, True) for seq, (prompt, toks) in enumerate(zip(prompts, out))])
+            llama_cpp.llama_synchronize(ctx)
+            times.append(time.perf_counter() - started)
+            for seq, toks in enumerate(out):
+                toks.append(greedy(seq))
+        return out, times[1:]
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(ctx)
+        llama_cpp.llama_model_free(model)
 
 
 def _convert_main(argv: list[str]) -> None:
