@@ -208,6 +208,13 @@ def test_lossless_plan_equals_vllms_own_backend(vllm_python, model_576, tmp_path
     assert ours["capacity_tokens"] / stock["capacity_tokens"] == pytest.approx(2.0, rel=1e-3)
 
 
+def _script_json(python: str, script: str):
+    """Run `script` in vLLM's Python; what its last stdout line holds, as JSON."""
+    done = subprocess.run([python, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_vllm_cpu_rope_is_wrong_for_mla_inputs_and_the_fix_routes_them(vllm_python):
     """vLLM's own two RoPE implementations on DeepSeek's [T, H, d_r] query and [T, 1, d_r] key: its C op
     (`forward_cpu`) disagrees with its torch reference (`forward_native`) unless the plugin's fix is on."""
@@ -229,9 +236,7 @@ def test_vllm_cpu_rope_is_wrong_for_mla_inputs_and_the_fix_routes_them(vllm_pyth
         "    before = gap(); fix_cpu_rope(); after = gap()\n"
         "print(json.dumps([before, after]))\n"
     )
-    done = subprocess.run([vllm_python, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    (gap_3d, gap_2d), (fixed_3d, fixed_2d) = json.loads(done.stdout.strip().splitlines()[-1])
+    (gap_3d, gap_2d), (fixed_3d, fixed_2d) = _script_json(vllm_python, script)
     assert gap_3d > 0.5 and gap_2d < 1e-5  # the C op is right on flattened inputs only
     assert fixed_3d == 0 and fixed_2d < 1e-5
 
@@ -262,17 +267,9 @@ def test_bounded_prefill_is_vllms_own_prefill_row_for_row(vllm_python):
         "gaps = [(x - y).abs().max().item() for r, g in zip(ref, got) for x, y in zip(r, g)]\n"
         "print(json.dumps({'replaced': B._ragged_sdpa is not original, 'gaps': gaps, 'rows': max(rows)}))\n"
     )
-    done = subprocess.run([vllm_python, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _script_json(vllm_python, script)
     assert found["replaced"] and found["rows"] == 5
     assert len(found["gaps"]) == 5 and max(found["gaps"]) < 1e-5
-
-
-def _plugin_errors(python: str, script: str) -> list[str]:
-    done = subprocess.run([python, "-c", script], env=_env(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _other_weights(tmp_path: Path) -> Path:
@@ -326,7 +323,7 @@ def test_bad_input_is_one_line_in_vllms_python(vllm_python, model_576, tmp_path)
         "    errors.append(str(e))\n"
         "print(json.dumps(errors))\n"
     )
-    foreign, depth, corrupt_msg, kv_dtype, version = _plugin_errors(vllm_python, script)
+    foreign, depth, corrupt_msg, kv_dtype, version = _script_json(vllm_python, script)
     assert "this plan was calibrated for another model" in foreign
     assert "plan has 4 layers, model" in depth and "has 2" in depth
     assert "corrupt plan" in corrupt_msg

@@ -56,25 +56,29 @@ def test_version_check_names_the_supported_versions():
     assert "\n" not in str(e.value)
 
 
-def _fake_rope_module(monkeypatch, **methods) -> type:
-    """vLLM's rotary_embedding.base as a stand-in module whose RotaryEmbedding has `methods`: the shape of the
-    class `fix_cpu_rope` patches, for vLLM versions that are not installed here."""
+def _stand_in(monkeypatch, module: str, name: str, **methods) -> type:
+    """vLLM's `module` (and its parents) as stand-in modules holding a class `name` with `methods`: the shape of a
+    class the plugin patches, for vLLM versions that are not installed here."""
     import sys
     import types
 
-    cls = type("RotaryEmbedding", (), methods)
-    names = ["vllm", "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.rotary_embedding",
-             "vllm.model_executor.layers.rotary_embedding.base"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules[names[-1]].RotaryEmbedding = cls
+    cls = type(name, (), methods)
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    setattr(sys.modules[module], name, cls)
     return cls
+
+
+ROPE_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
+PREFILL_MODULE = "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"
 
 
 def test_rope_patch_fails_loudly_on_a_vllm_without_its_target(monkeypatch):
     """A vLLM whose RotaryEmbedding has no forward_cpu (renamed, moved): one line naming the version the patch was
     written for, and nothing patched."""
-    cls = _fake_rope_module(monkeypatch, forward_native=lambda self, positions, query, key=None: "native")
+    cls = _stand_in(monkeypatch, ROPE_MODULE, "RotaryEmbedding",
+                    forward_native=lambda self, positions, query, key=None: "native")
     with pytest.raises(VLLMPluginError, match=f"fix was written for vLLM {SUPPORTED_VLLM[0]}") as e:
         vllm_plugin.fix_cpu_rope()
     assert "\n" not in str(e.value) and "forward_cpu" not in cls.__dict__
@@ -85,8 +89,9 @@ def test_rope_patch_routes_3d_calls_to_vllms_torch_implementation(monkeypatch):
     a second call does not wrap the wrapper."""
     import torch
 
-    cls = _fake_rope_module(monkeypatch, forward_cpu=lambda self, positions, query, key=None: "c-op",
-                            forward_native=lambda self, positions, query, key=None: "native")
+    cls = _stand_in(monkeypatch, ROPE_MODULE, "RotaryEmbedding",
+                    forward_cpu=lambda self, positions, query, key=None: "c-op",
+                    forward_native=lambda self, positions, query, key=None: "native")
     vllm_plugin.fix_cpu_rope()
     patched = cls.forward_cpu
     vllm_plugin.fix_cpu_rope()
@@ -97,31 +102,15 @@ def test_rope_patch_routes_3d_calls_to_vllms_torch_implementation(monkeypatch):
     assert rope.forward_cpu(pos, torch.zeros(3, 32), torch.zeros(3, 1, 8)) == "native"
 
 
-def _fake_prefill_module(monkeypatch, **methods) -> type:
-    """vLLM's MLA CPU prefill module as a stand-in whose CPUSDPAMLAPrefillBackend has `methods`."""
-    import sys
-    import types
-
-    cls = type("CPUSDPAMLAPrefillBackend", (), methods)
-    names = ["vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends", "vllm.v1.attention.backends.mla",
-             "vllm.v1.attention.backends.mla.prefill", "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"]
-    for name in names:
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    sys.modules[names[-1]].CPUSDPAMLAPrefillBackend = cls
-    return cls
-
-
 def test_prefill_bound_fails_loudly_on_a_vllm_without_its_target(monkeypatch):
     """A vLLM whose CPU MLA prefill has no `_ragged_sdpa` (renamed), or no such module: one line naming the version
     the bound was written for, nothing patched. (Its math against vLLM's own: tests/test_vllm_live.py.)"""
-    cls = _fake_prefill_module(monkeypatch, run_prefill_new_tokens=lambda self: None)
+    cls = _stand_in(monkeypatch, PREFILL_MODULE, "CPUSDPAMLAPrefillBackend",
+                    run_prefill_new_tokens=lambda self: None)
     with pytest.raises(VLLMPluginError, match=f"no CPUSDPAMLAPrefillBackend._ragged_sdpa .*vLLM {SUPPORTED_VLLM[0]}"):
         vllm_plugin.bound_cpu_prefill(1024)
     assert "_ragged_sdpa" not in cls.__dict__
-    import sys
-    import types
-
-    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.mla.prefill.cpu_sdpa", types.ModuleType("x"))
+    _stand_in(monkeypatch, PREFILL_MODULE, "SomethingElse")
     with pytest.raises(VLLMPluginError, match="no CPUSDPAMLAPrefillBackend") as e:
         vllm_plugin.bound_cpu_prefill(1024)
     assert "\n" not in str(e.value)
@@ -138,7 +127,7 @@ def test_register_with_prefill_rows_alone_bounds_the_prefill_and_nothing_else(mo
     """MLAQUANT_VLLM_PREFILL_ROWS without a plan: vLLM's own prefill bounded, no RoPE fix, no backend registered."""
     import sys
 
-    cls = _fake_prefill_module(monkeypatch, _ragged_sdpa=lambda self: None)
+    cls = _stand_in(monkeypatch, PREFILL_MODULE, "CPUSDPAMLAPrefillBackend", _ragged_sdpa=lambda self: None)
     sys.modules["vllm"].__version__ = SUPPORTED_VLLM[0]
     monkeypatch.delenv(vllm_plugin.PLAN_ENV, raising=False)
     monkeypatch.delenv(vllm_plugin.ROPE_FIX_ENV, raising=False)
@@ -282,21 +271,16 @@ def test_bench_vllm_reads_vllms_log_on_stdout_for_the_cause(tmp_path):
     assert run == {"error": "Worker proc VllmWorker-0 died unexpectedly (exit code: None)"}
 
 
-def test_bench_vllm_bounds_only_the_stock_prefill(tmp_path):
+def test_bench_vllm_bounds_only_the_stock_prefill(tmp_path, monkeypatch):
     """`--stock-prefill-rows` reaches vLLM's own backend's launch as MLAQUANT_VLLM_PREFILL_ROWS, and a plugin launch
     never inherits it from the caller's environment (a stand-in for vLLM's Python prints what it was given)."""
-    import os
-
     from mlaquant.bench.vllm import _launch
 
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho \"rows=$MLAQUANT_VLLM_PREFILL_ROWS\"\nexit 1\n")
     fake.chmod(0o755)
-    os.environ["MLAQUANT_VLLM_PREFILL_ROWS"] = "7"
-    try:
-        plugin = _launch(str(fake), tmp_path, "p", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--plan", "x")
-        stock = _launch(str(fake), tmp_path, "s", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--stock",
-                        prefill_rows=1024)
-    finally:
-        del os.environ["MLAQUANT_VLLM_PREFILL_ROWS"]
+    monkeypatch.setenv(vllm_plugin.PREFILL_ROWS_ENV, "7")
+    plugin = _launch(str(fake), tmp_path, "p", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--plan", "x")
+    stock = _launch(str(fake), tmp_path, "s", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--stock",
+                    prefill_rows=1024)
     assert plugin == {"error": "rows="} and stock == {"error": "rows=1024"}
