@@ -68,6 +68,13 @@ LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 CACHE_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2}
 
 
+def cache_ggml_type(cache_type: str) -> int:
+    """The ggml type of a latent cache type (CACHE_TYPES); MLAQuantError naming the known ones otherwise."""
+    if cache_type not in CACHE_TYPES:
+        raise MLAQuantError(f"cache type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+    return CACHE_TYPES[cache_type]
+
+
 def unavailable() -> str | None:
     """None when llama_cpp imports and the converter source is found, else a one-line reason."""
     try:
@@ -238,8 +245,7 @@ def token_logits(
     (`flash_attn` applies to f16 only)."""
     import llama_cpp
 
-    if cache_type not in CACHE_TYPES:
-        raise MLAQuantError(f"cache type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+    ggml_type = cache_ggml_type(cache_type)
     if tokens.dim() != 2 or tokens.shape[1] < 2:
         raise MLAQuantError(f"tokens must be [N, T ≥ 2], got {list(tokens.shape)}")
     T = tokens.shape[1]
@@ -251,8 +257,8 @@ def token_logits(
         n_threads=n_threads,
         n_threads_batch=n_threads,
         logits_all=True,
-        type_k=CACHE_TYPES[cache_type],
-        type_v=CACHE_TYPES[cache_type],
+        type_k=ggml_type,
+        type_v=ggml_type,
         flash_attn=flash_attn or cache_type != "f16",
         verbose=False,
     )
@@ -292,8 +298,7 @@ def decode_steps(
     import llama_cpp
     import numpy as np
 
-    if cache_type not in CACHE_TYPES:
-        raise MLAQuantError(f"cache type {cache_type!r} is not one of {', '.join(CACHE_TYPES)}")
+    ggml_type = cache_ggml_type(cache_type)
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # what Llama(verbose=False) does: errors only
     llama_cpp.llama_backend_init()
     model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), llama_cpp.llama_model_default_params())
@@ -304,9 +309,13 @@ def decode_steps(
     params.n_ctx, params.n_seq_max = per_seq * len(prompts), len(prompts)
     params.n_batch = params.n_ubatch = max(chunk, len(prompts))
     params.n_threads = params.n_threads_batch = prefill_threads or os.cpu_count() or n_threads
-    params.type_k = params.type_v = CACHE_TYPES[cache_type]
+    params.type_k = params.type_v = ggml_type
     params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
     ctx = llama_cpp.llama_init_from_model(model, params)
+    if not ctx:
+        llama_cpp.llama_model_free(model)
+        raise MLAQuantError(f"{gguf_path}: llama.cpp could not make a context ({cache_type} cache, "
+                            f"n_ctx {params.n_ctx})")
     batch = llama_cpp.llama_batch_init(params.n_batch, 0, 1)
     n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(model))
 
