@@ -132,7 +132,7 @@ def _session_step(model, prompts: list, new: int, threads: int) -> float:
         started = time.perf_counter()
         nxt = session.decode(nxt).argmax(-1)
         times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2]
+    return _median(times)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = write_checkpoint(work / "model", shards=1, layers=args.layers, max_positions=positions, **SHAPES)
     plans = {c: Plan.uniform(c, args.layers).save(work / "plans" / c.replace("/", "_")) for c in args.codecs.split(",")}
     model = load_model(model_dir)
-    llama_gguf, llama_note = _llama_model(work, args)
+    llama_gguf, llama_note = _llama_model(work, args, positions)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for context in contexts:
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _llama_model(work: Path, args: argparse.Namespace) -> tuple[Path | None, str]:
+def _llama_model(work: Path, args: argparse.Namespace, positions: int) -> tuple[Path | None, str]:
     """llama.cpp's GGUF of the bench model and the report's note on llama.cpp: the same attention, but the query
     through a rank-512 LoRA (DeepSeek-V3's q_a / q_b), since llama.cpp's deepseek2 loader takes a q_lora-free model
     at 26 or 27 layers only; f32 weights like vLLM's; converted by llama.cpp's own converter
@@ -205,15 +205,12 @@ def _llama_model(work: Path, args: argparse.Namespace) -> tuple[Path | None, str
         return None, f"not run: {why}"
     from mlaquant.modeling.synthetic import write_checkpoint
 
-    positions = max(_ints(args.batches)) * (max(_ints(args.contexts)) + args.new_tokens + 64)
     model = write_checkpoint(work / "model-qlora", shards=1, layers=args.layers, max_positions=positions,
                              **{**SHAPES, "q_lora_rank": LLAMA_Q_LORA_RANK})
     llamacpp.add_a_merge(model)
     import llama_cpp
 
-    gguf = work / "model-qlora.gguf"
-    if not gguf.is_file():
-        llamacpp.convert(model, gguf)
+    gguf = llamacpp.convert(model, work / "model-qlora.gguf")  # each run: --layers / shapes may differ from the last
     return gguf, (f"llama-cpp-python {llama_cpp.__version__}, the model with a rank-{LLAMA_Q_LORA_RANK} query LoRA "
                   "(its loader's condition), flash attention, q8_0 / q4_0 latent cache")
 
@@ -227,10 +224,15 @@ def _llama_rows(gguf: Path, batch: int, context: int, prompts: list, args: argpa
     rows = []
     for cache in LLAMA_CACHES:
         _, steps = decode_steps(gguf, prompts, args.new_tokens, cache, args.threads)
-        step = sorted(steps)[len(steps) // 2]
+        step = _median(steps)
         rows.append({"batch": batch, "context": context, "engine": f"llama.cpp {cache} latent", "step_s": step,
                      "step_vs_stock": _ratio(step, stock_step)})
     return rows
+
+
+def _median(times: list[float]) -> float:
+    """The middle of `times` (the upper one of an even count: vllm_run's convention)."""
+    return sorted(times)[len(times) // 2]
 
 
 def _ratio(a, b) -> float | None:
