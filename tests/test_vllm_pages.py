@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mlaquant.attention.reference import causal_attention
-from mlaquant.integrations.vllm_pages import LayerPages, causal_sdpa, rope_order
+from mlaquant.integrations.vllm.pages import LayerPages, causal_sdpa, rope_order
 from mlaquant.modeling.loader import load_model
 from mlaquant.quant.codecs import LayerCodec
 from mlaquant.runtime.plan import Plan

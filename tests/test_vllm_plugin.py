@@ -12,8 +12,8 @@ import pytest
 import tomllib
 
 from mlaquant.cli import main
-from mlaquant.integrations import vllm_plugin
-from mlaquant.integrations.vllm_plugin import (
+from mlaquant.integrations.vllm import plugin as vllm_plugin
+from mlaquant.integrations.vllm.plugin import (
     PLAN_SUBDIR,
     SUPPORTED_VLLM,
     VLLMPluginError,

@@ -246,11 +246,11 @@ def step_vllm(device: torch.device, out: Path) -> dict:
     model = load_model(None, device)
     prompts = [model.tokenizer.encode(t).ids for t in ("def fib(n):", "import torch\nclass Net(", "for i in range(")]
     (work / "prompts.json").write_text(json.dumps({"prompts": prompts}))
-    cmd = [sys.executable, "-m", "mlaquant.integrations.vllm_run", "--model", str(default_model_path()), "--plan",
+    cmd = [sys.executable, "-m", "mlaquant.integrations.vllm.run", "--model", str(default_model_path()), "--plan",
            str(plan), "--prompts", str(work / "prompts.json"), "--max-tokens", "32", "--out", str(work / "run.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "vllm_run failed")
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "vllm.run failed")
     report = json.loads((work / "run.json").read_text())
     want = generate(model, prompts, 32, plan=plan)
     return {"tokens_equal": report["tokens"] == want, "capacity_tokens": report["capacity_tokens"],

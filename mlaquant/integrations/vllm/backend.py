@@ -1,13 +1,13 @@
 """The plan as a vLLM MLA attention backend: each layer's cache holds that layer's planned codes; decode runs on them.
 
-Imported by vLLM only (the class path `register` gives it, `mlaquant.integrations.vllm_plugin`); it imports vLLM.
+Imported by vLLM only (the class path `register` gives it, `mlaquant.integrations.vllm.plugin`); it imports vLLM.
 
 Per layer (the index read from `kv_b_proj.prefix`), with the plan's codec C, rotations R_c [d_c, d_c] / R_r
 [d_r, d_r] (identity where the plan has none) and P the RoPE de-interleave (vLLM's DeepSeek applies RoPE
 interleaved, mlaquant caches k_pe as [even dims | odd dims]; scores are invariant under a joint permutation):
 
     cache      uint8 [num_blocks, 16, C.row_bytes]: token in slot s = row s of the flattened pages, the bytes of
-               C.encode([c_kv·R_c | k_pe·P·R_r]) (`mlaquant.integrations.vllm_pages.LayerPages`, vLLM-free and
+               C.encode([c_kv·R_c | k_pe·P·R_r]) (`mlaquant.integrations.vllm.pages.LayerPages`, vLLM-free and
                tested without vLLM; byte layout: `mlaquant.quant.codecs`). vLLM sizes the pages from
                `PlanMLABackend.customize_spec` (vllm/v1/attention/backend.py `customize_spec`, applied per layer in
                vllm/v1/worker/gpu_model_runner.py `get_kv_cache_spec`), so each layer has its own bytes per token.
@@ -45,8 +45,8 @@ from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from mlaquant.attention.backends import check_backend, cpu_routing
-from mlaquant.integrations.vllm_pages import LayerPages, causal_sdpa, rope_order
-from mlaquant.integrations.vllm_plugin import VLLMPluginError, cuda_codec_problem, plan_directory
+from mlaquant.integrations.vllm.pages import LayerPages, causal_sdpa, rope_order
+from mlaquant.integrations.vllm.plugin import VLLMPluginError, cuda_codec_problem, plan_directory
 from mlaquant.modeling.loader import read_config
 from mlaquant.modeling.model import MLAConfig
 from mlaquant.runtime.plan import Plan
