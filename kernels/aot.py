@@ -33,8 +33,8 @@ Executed instructions per loop iteration = the unconditional ones + the conditio
 r = RESCALES_PER_PROGRAM · BLOCK_N / chunk: the rescale branch runs on a program's first tile and when a head's
 running max grows by more than 2^8 later. Measured on the bundled model's real attention (every query of the
 last 512 positions of a 4096-token window of stdlib source, 4 layers x 4 heads, the kernel's tile order;
-script in docs/aot_round3.md): 0.16-0.77 later rescales per program for tiles of 16 / 32 tokens and chunks of
-512 / 2048 / 4096 tokens; RESCALES_PER_PROGRAM = 2 (the first tile + 1, rounded up). Long-context DeepSeek
+script in docs/results/aot/aot_round3.md): 0.16-0.77 later rescales per program for tiles of 16 / 32 tokens and
+chunks of 512 / 2048 / 4096 tokens; RESCALES_PER_PROGRAM = 2 (the first tile + 1, rounded up). Long-context DeepSeek
 scores could grow more often; r = 1 is the worst case (every tile), which `loop_conditional` lets a reader
 recompute. With two value programs per head block (`d_split` 2) the kernel holds one loop per program; each
 program is charged the loop with the most MMA work (equal for every codec but a band part, whose two programs'

@@ -206,8 +206,8 @@ def torch_int8_vnni() -> bool:
 def cpu_routing() -> CpuRouting:
     """The routing rule "auto" follows on this CPU, read once per process like the C kernels' build
     (`native._library`; set MLAQUANT_NATIVE / MLAQUANT_NATIVE_ISA before the first decode call): it is asked
-    before every decode call, where rebuilding it showed in the time of short calls (docs/cpu.md, Round 12). A
-    test that changes its inputs clears it (`cpu_routing.cache_clear()`)."""
+    before every decode call, where rebuilding it showed in the time of short calls (docs/results/cpu-history.md,
+    Round 12). A test that changes its inputs clears it (`cpu_routing.cache_clear()`)."""
     return CpuRouting(torch.backends.cpu.get_cpu_capability(), native.chosen_isa(), torch_int8_vnni())
 
 

@@ -930,9 +930,9 @@ typedef struct {
 
 /* Whether part p runs token-lane: its groups whole words (4 channels sub-byte, 2 int8) of at most LANES_MAX
  * channels, where `dots_rows`' reduction is not amortized over their chunks (bands, k_pe, g32 / g64 groups); a wide
- * row-wise part, sub-byte or int8, measured faster in `dots_rows` (A / B in docs/cpu.md). On VNNI only sub-byte
+ * row-wise part, sub-byte or int8, measured faster in `dots_rows` (A / B in docs/results/cpu-history.md). On VNNI only sub-byte
  * kinds: `dots_rows` takes int8 codes 4 to a vpdpbusd, twice the token-lane int16 pairs' vpdpwssd, and measured
- * faster (docs/cpu.md, Round 13). */
+ * faster (docs/results/cpu-history.md, Round 13). */
 #define LANES_MAX 128
 static int token_lanes(const part_t *p) {
     if (p->kind == U8_CODES || (VNNI && !SUB_BYTE(p->kind)) || p->gs % (SUB_BYTE(p->kind) ? 4 : 2)) return 0;
