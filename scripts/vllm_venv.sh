@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 venv=${1:-/tmp/mlaquant-vllm-venv}
 cache="${MLAQUANT_CACHE:-$HOME/.cache/mlaquant}/wheels"
 version=$(python3 -c 'import ast, pathlib
-tree = ast.parse(pathlib.Path("mlaquant/integrations/vllm/plugin.py").read_text())
+tree = ast.parse(pathlib.Path("mlaquant/integrations/vllm/settings.py").read_text())
 print(next(ast.literal_eval(n.value)[0] for n in tree.body
            if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SUPPORTED_VLLM"))')  # SUPPORTED_VLLM[0]
 {

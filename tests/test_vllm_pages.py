@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mlaquant.attention.reference import causal_attention
-from mlaquant.integrations.vllm.pages import LayerPages, causal_sdpa, rope_order
+from mlaquant.integrations.vllm.pages import LayerPages, causal_sdpa, decode_rows, rope_order
 from mlaquant.modeling.loader import load_model
 from mlaquant.quant.codecs import LayerCodec
 from mlaquant.runtime.plan import Plan
@@ -120,3 +120,27 @@ def test_prefill_attention_is_causal_softmax_over_the_rows(new):
     assert_close(causal_sdpa(q, k, v, 0.2), want, max_abs=1e-5, what="prefill attention")
     with pytest.raises(RuntimeError, match="No available kernel"):  # torch's message when only fused ones may run
         causal_sdpa(q, k[:, :2], v[:, :2], 0.2)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_several_query_tokens_per_request_decode_on_the_codes_with_a_causal_limit(backend):
+    """Speculative decoding's verify step: requests of 4, 1 and 3 query tokens (vLLM's query_start_loc) become one
+    decode row per token (`decode_rows`), token j of a request seeing its rows up to its own position — the same
+    out / lse as decoding each token alone over that request's first rows (the block table row repeated)."""
+    codec = LayerCodec.from_names("int4-row", "int8-row", 128, 32)
+    pages = LayerPages(codec, 128, None, None, rope_order(32, True))
+    cache, table, lens = _vllm_pages(pages, [37, 5, 64], seed=3)
+    starts = torch.tensor([0, 4, 5, 8], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(4)
+    q_lat, q_pe = torch.randn(8, 4, 128, generator=gen), torch.randn(8, 4, 32, generator=gen)
+    rows_table, rows_lens = decode_rows(table, lens, starts, 8)
+    assert rows_lens.tolist() == [34, 35, 36, 37, 5, 62, 63, 64] and rows_table.dtype == table.dtype
+    out, lse = pages.decode(q_lat, q_pe, cache, rows_table, rows_lens, 0.1, backend)
+    for token, (request, length) in enumerate(zip([0, 0, 0, 0, 1, 2, 2, 2], rows_lens.tolist())):
+        alone = pages.decode(q_lat[token : token + 1], q_pe[token : token + 1], cache, table[request : request + 1],
+                             torch.tensor([length], dtype=torch.int32), 0.1, backend)
+        torch.testing.assert_close(out[token], alone[0][0])
+        torch.testing.assert_close(lse[token], alone[1][0])
+    assert decode_rows(table, lens, starts[:4], 3) == (table, lens)  # one token each: unchanged
+    with pytest.raises(ValueError, match="covers 8 tokens, the query has 7"):
+        decode_rows(table, lens, starts, 7)

@@ -1,4 +1,5 @@
-"""The vLLM plugin's parts that run without vLLM: version pin, plan discovery, `export --codecs plan`.
+"""The vLLM plugin's parts that run without vLLM: version pin, plan discovery, the model directory's declaration and
+its checkpoint sample, `export --codecs plan`, the patches' refusals on a vLLM they were not written for.
 
 What vLLM does with the plugin is run live, in vLLM itself: tests/test_vllm_live.py.
 """
@@ -12,13 +13,20 @@ import pytest
 import tomllib
 
 from mlaquant.cli import main
-from mlaquant.integrations.vllm import plugin as vllm_plugin
-from mlaquant.integrations.vllm.plugin import (
+from mlaquant.integrations.vllm import patches, plugin, settings
+from mlaquant.integrations.vllm.declaration import (
+    SAMPLE_BYTES,
+    Declaration,
+    checkpoint_sample,
+    model_checkpoint_sample,
+    read_declaration,
+)
+from mlaquant.integrations.vllm.pages import cuda_codec_problem
+from mlaquant.integrations.vllm.settings import (
     PLAN_SUBDIR,
     SUPPORTED_VLLM,
     VLLMPluginError,
     check_vllm_version,
-    cuda_codec_problem,
     plan_directory,
 )
 from mlaquant.modeling.loader import default_model_path
@@ -32,7 +40,7 @@ PLANS = ROOT / "tests" / "data" / "plans"
 def test_the_entry_point_is_the_register_function():
     entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
     module, func = entry["mlaquant"].split(":")
-    assert module == vllm_plugin.__name__ and func == "register"
+    assert module == plugin.__name__ and func == "register"
 
 
 def test_ci_installs_the_pinned_vllm():
@@ -71,35 +79,42 @@ def _stand_in(monkeypatch, module: str, name: str, **methods) -> type:
 
 
 ROPE_MODULE = "vllm.model_executor.layers.rotary_embedding.base"
+MLA_MODULE = "vllm.model_executor.layers.mla"
 PREFILL_MODULE = "vllm.v1.attention.backends.mla.prefill.cpu_sdpa"
 
 
-def test_rope_patch_fails_loudly_on_a_vllm_without_its_target(monkeypatch):
-    """A vLLM whose RotaryEmbedding has no forward_cpu (renamed, moved): one line naming the version the patch was
-    written for, and nothing patched."""
-    cls = _stand_in(monkeypatch, ROPE_MODULE, "RotaryEmbedding",
-                    forward_native=lambda self, positions, query, key=None: "native")
+def test_rope_fix_fails_loudly_on_a_rotary_embedding_it_was_not_written_for(monkeypatch):
+    """A vLLM whose rotary embeddings carry no per-instance dispatch (`_forward_method`): one line naming the version
+    the fix was written for, nothing changed."""
+    cls = _stand_in(monkeypatch, ROPE_MODULE, "RotaryEmbedding", forward_cpu=lambda self, *a: "c-op",
+                    forward_native=lambda self, *a: "native")
+    rope = cls()
     with pytest.raises(VLLMPluginError, match=f"fix was written for vLLM {SUPPORTED_VLLM[0]}") as e:
-        vllm_plugin.fix_cpu_rope()
-    assert "\n" not in str(e.value) and "forward_cpu" not in cls.__dict__
+        patches.fix_mla_rope(rope)
+    assert "\n" not in str(e.value) and "_forward_method" not in vars(rope)
 
 
-def test_rope_patch_routes_3d_calls_to_vllms_torch_implementation(monkeypatch):
-    """Patched: [T, H, d] query / [T, 1, d] key go to forward_native, flattened [T, H·d] ones stay on the C op;
-    a second call does not wrap the wrapper."""
-    import torch
+def test_rope_fix_sends_the_c_op_to_vllms_torch_implementation_and_nothing_else(monkeypatch):
+    """An instance dispatched to plain RotaryEmbedding's C op (`forward_cpu`) goes to its `forward_native`; one on
+    forward_native already, or another class's forward_cpu (YaRN's inherits none), is left as it is."""
+    cls = _stand_in(monkeypatch, ROPE_MODULE, "RotaryEmbedding", forward_cpu=lambda self, *a: "c-op",
+                    forward_native=lambda self, *a: "native")
+    rope = cls()
+    rope._forward_method = rope.forward_cpu
+    assert patches.fix_mla_rope(rope) and rope._forward_method() == "native"
+    assert not patches.fix_mla_rope(rope)
+    other = type("DeepseekScalingRotaryEmbedding", (), {"forward_cpu": lambda self: "own",
+                                                         "forward_native": lambda self: "native"})()
+    other._forward_method = other.forward_cpu
+    assert not patches.fix_mla_rope(other) and other._forward_method() == "own"
+    assert not patches.fix_mla_rope(None)
 
-    cls = _stand_in(monkeypatch, ROPE_MODULE, "RotaryEmbedding",
-                    forward_cpu=lambda self, positions, query, key=None: "c-op",
-                    forward_native=lambda self, positions, query, key=None: "native")
-    vllm_plugin.fix_cpu_rope()
-    patched = cls.forward_cpu
-    vllm_plugin.fix_cpu_rope()
-    assert cls.forward_cpu is patched
-    rope, pos = cls(), torch.arange(3)
-    assert rope.forward_cpu(pos, torch.zeros(3, 4, 8), torch.zeros(3, 1, 8)) == "native"
-    assert rope.forward_cpu(pos, torch.zeros(3, 32), torch.zeros(3, 8)) == "c-op"
-    assert rope.forward_cpu(pos, torch.zeros(3, 32), torch.zeros(3, 1, 8)) == "native"
+
+def test_mla_layer_hook_fails_loudly_on_a_vllm_without_the_layer(monkeypatch):
+    """A vLLM without `MultiHeadLatentAttentionWrapper` (renamed, moved): one line, before anything is registered."""
+    _stand_in(monkeypatch, MLA_MODULE, "SomethingElse")
+    with pytest.raises(VLLMPluginError, match=f"no MultiHeadLatentAttentionWrapper.*vLLM {SUPPORTED_VLLM[0]}"):
+        patches.mla_wrapper_class()
 
 
 def test_prefill_bound_fails_loudly_on_a_vllm_without_its_target(monkeypatch):
@@ -108,40 +123,51 @@ def test_prefill_bound_fails_loudly_on_a_vllm_without_its_target(monkeypatch):
     cls = _stand_in(monkeypatch, PREFILL_MODULE, "CPUSDPAMLAPrefillBackend",
                     run_prefill_new_tokens=lambda self: None)
     with pytest.raises(VLLMPluginError, match=f"no CPUSDPAMLAPrefillBackend._ragged_sdpa .*vLLM {SUPPORTED_VLLM[0]}"):
-        vllm_plugin.bound_cpu_prefill(1024)
+        patches.bound_cpu_prefill(1024)
     assert "_ragged_sdpa" not in cls.__dict__
     _stand_in(monkeypatch, PREFILL_MODULE, "SomethingElse")
     with pytest.raises(VLLMPluginError, match="no CPUSDPAMLAPrefillBackend") as e:
-        vllm_plugin.bound_cpu_prefill(1024)
+        patches.bound_cpu_prefill(1024)
     assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("value", ["0", "-4", "1k", ""])
 def test_prefill_rows_is_a_positive_count(value):
     with pytest.raises(VLLMPluginError, match=f"MLAQUANT_VLLM_PREFILL_ROWS={value}: expected a positive number"):
-        vllm_plugin.prefill_rows(value)
-    assert vllm_plugin.prefill_rows("1024") == 1024
+        patches.prefill_rows(value)
+    assert patches.prefill_rows("1024") == 1024
 
 
-def test_register_with_prefill_rows_alone_bounds_the_prefill_and_nothing_else(monkeypatch):
-    """MLAQUANT_VLLM_PREFILL_ROWS without a plan: vLLM's own prefill bounded, no RoPE fix, no backend registered."""
+def _clear_env(monkeypatch) -> None:
+    for name in (settings.PLAN_ENV, settings.ROPE_FIX_ENV, settings.PREFILL_ROWS_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_register_on_another_vllm_without_a_plan_does_nothing(monkeypatch):
+    """Installing mlaquant beside a vLLM it was not written for changes nothing there: register reads the version
+    and returns (a model that declares a plan is then refused by vLLM itself: an unknown quantization method)."""
     import sys
+    import types
 
-    cls = _stand_in(monkeypatch, PREFILL_MODULE, "CPUSDPAMLAPrefillBackend", _ragged_sdpa=lambda self: None)
-    sys.modules["vllm"].__version__ = SUPPORTED_VLLM[0]
-    monkeypatch.delenv(vllm_plugin.PLAN_ENV, raising=False)
-    monkeypatch.delenv(vllm_plugin.ROPE_FIX_ENV, raising=False)
-    monkeypatch.setenv(vllm_plugin.PREFILL_ROWS_ENV, "256")
-    vllm_plugin.register()  # no rotary_embedding / registry module in the stand-in: the RoPE fix would raise
-    assert cls._ragged_sdpa.mlaquant_rows == 256
+    _clear_env(monkeypatch)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    sys.modules["vllm"].__version__ = "0.31.0"
+    plugin.register()  # nothing below vllm is stood in: importing any of it would raise
 
 
-def test_register_does_nothing_without_a_plan(monkeypatch):
-    """Installing mlaquant beside vLLM changes nothing: without MLAQUANT_PLAN, register imports no vLLM at all."""
-    monkeypatch.delenv(vllm_plugin.PLAN_ENV, raising=False)
-    monkeypatch.delenv(vllm_plugin.ROPE_FIX_ENV, raising=False)
-    monkeypatch.delenv(vllm_plugin.PREFILL_ROWS_ENV, raising=False)
-    vllm_plugin.register()  # vLLM is not installed in this venv: an import would raise
+@pytest.mark.parametrize("env", [settings.PLAN_ENV, settings.ROPE_FIX_ENV, settings.PREFILL_ROWS_ENV])
+def test_register_on_another_vllm_with_an_option_is_one_line(env, monkeypatch):
+    """Asked for a plan, the RoPE fix or the bounded prefill on a vLLM it was not written for: register stops vLLM
+    with the supported versions, before touching it."""
+    import sys
+    import types
+
+    _clear_env(monkeypatch)
+    monkeypatch.setenv(env, "1")
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    sys.modules["vllm"].__version__ = "0.31.0"
+    with pytest.raises(VLLMPluginError, match=f"supports vLLM {SUPPORTED_VLLM[0]}; this is vLLM 0.31.0"):
+        plugin.register()
 
 
 def test_plan_directory_finds_a_plan_or_a_model_directory_with_one(tmp_path, monkeypatch):
@@ -150,20 +176,70 @@ def test_plan_directory_finds_a_plan_or_a_model_directory_with_one(tmp_path, mon
     model = tmp_path / "model"
     Plan.uniform("fp16", 4).save(model / PLAN_SUBDIR)
     assert plan_directory(str(model)) == model / PLAN_SUBDIR
-    monkeypatch.setenv(vllm_plugin.PLAN_ENV, str(plan))
+    monkeypatch.setenv(settings.PLAN_ENV, str(plan))
     assert plan_directory() == plan
 
 
 @pytest.mark.parametrize("value, message", [
-    (None, "the mlaquant backend needs a plan: set MLAQUANT_PLAN"),
+    (None, "the mlaquant backend needs a plan: serve a model directory written by"),
     ("{tmp}/missing", "MLAQUANT_PLAN={tmp}/missing: no plan there"),
 ])  # fmt: skip
 def test_no_plan_is_one_line(value, message, tmp_path, monkeypatch):
-    monkeypatch.delenv(vllm_plugin.PLAN_ENV, raising=False)
+    monkeypatch.delenv(settings.PLAN_ENV, raising=False)
     value = None if value is None else value.format(tmp=tmp_path)
     with pytest.raises(VLLMPluginError, match=message.format(tmp=tmp_path)) as e:
         plan_directory(value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"extra": 1}, "quantization_config has unknown key 'extra'"),
+    ({"format_version": 2}, "format_version 2: this mlaquant reads version 1"),
+    ({"plan": None}, "quantization_config.plan is missing"),
+    ({"checkpoint_sample": 7}, "quantization_config.checkpoint_sample is missing or not a string"),
+    ({"base": {"weight_block_size": [128, 128]}}, "base must be a quantization_config with a quant_method"),
+])  # fmt: skip
+def test_a_malformed_declaration_is_one_line_naming_the_key(change, message):
+    config = {**Declaration("mlaquant_plan", "ab" * 32).as_config(), **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(VLLMPluginError, match=message) as e:
+        Declaration.parse(config, "m/config.json")
+    assert str(e.value).startswith("m/config.json: ") and "\n" not in str(e.value)
+
+
+def test_a_declaration_round_trips_and_other_methods_are_not_one(tmp_path):
+    base = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    d = Declaration("mlaquant_plan", "ab" * 32, base)
+    assert Declaration.parse(d.as_config(), "x") == d
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": d.as_config()}))
+    assert read_declaration(tmp_path) == d
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": base}))
+    assert read_declaration(tmp_path) is None
+
+
+def test_the_checkpoint_sample_reads_a_sample_and_sees_any_change_in_it(tmp_path):
+    """Copies of the weights give the same digest; one changed sampled byte of a tensor, or another config, gives
+    another. The digest's reads are its header and SAMPLE_BYTES × SAMPLE_READS per tensor."""
+    import shutil
+
+    from safetensors import safe_open
+
+    src = default_model_path()
+    copy = tmp_path / "copy"
+    shutil.copytree(src, copy)
+    assert model_checkpoint_sample(copy) == model_checkpoint_sample(src)
+    weights = copy / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        name = sorted(f.keys())[-1]
+    data = bytearray(weights.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    offsets = json.loads(data[8:start])[name]["data_offsets"]
+    data[start + offsets[1] - 1] ^= 0xFF  # the last byte of the last tensor: the last sample's last byte
+    weights.write_bytes(bytes(data))
+    assert model_checkpoint_sample(copy) != model_checkpoint_sample(src)
+    assert checkpoint_sample([src / "model.safetensors"], {"a": 1}) != checkpoint_sample([src / "model.safetensors"],
+                                                                                         {"a": 2})
+    assert SAMPLE_BYTES * 8 < 1024
 
 
 def test_cuda_codecs_are_asked_of_the_kernel():
@@ -183,8 +259,35 @@ def test_export_codecs_plan_writes_the_model_with_its_plan(tmp_path):
     assert report["codecs"] == "plan" and report["fingerprint"] == Plan.load(PLANS / "default").fingerprint
     serve = (out / "serve.sh").read_text()
     where = out.resolve()
-    assert f"MLAQUANT_PLAN={where} python3 -m vllm.entrypoints.openai.api_server --model {where}" in serve
+    assert f"exec python3 -m vllm.entrypoints.openai.api_server --model {where} " in serve
+    assert "MLAQUANT_PLAN" not in serve and "--attention-backend" not in serve  # the directory declares its plan
     assert plan_directory(str(out)) == out / PLAN_SUBDIR
+    declared = read_declaration(out)
+    assert declared == Declaration(PLAN_SUBDIR, model_checkpoint_sample(default_model_path()))
+    config = json.loads((out / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k != "quantization_config"} == json.loads(
+        (default_model_path() / "config.json").read_text())
+
+
+def test_export_codecs_plan_keeps_the_checkpoints_own_quantization_as_the_base(tmp_path):
+    """A checkpoint that declares its own method (DeepSeek-V3's fp8 weights, say): the export declares mlaquant with
+    that config as its `base` (vLLM's method for every other layer); exporting a directory that already declares a
+    mlaquant plan is one line."""
+    import shutil
+
+    src = tmp_path / "quantized"
+    shutil.copytree(default_model_path(), src)
+    config = json.loads((src / "config.json").read_text())
+    base = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (src / "config.json").write_text(json.dumps({**config, "quantization_config": base}))
+    out = tmp_path / "served"
+    assert main(["export", "--plan", str(PLANS / "default"), "--engine", "vllm", "--codecs", "plan", "--model",
+                 str(src), "--out", str(out)]) == 0
+    assert read_declaration(out).base == base
+    again = tmp_path / "again"
+    assert main(["export", "--plan", str(PLANS / "default"), "--engine", "vllm", "--codecs", "plan", "--model",
+                 str(out), "--out", str(again)]) == 2
+    assert not again.exists()
 
 
 def test_export_codecs_plan_refuses_a_plan_of_another_model(tmp_path, synthetic):
@@ -253,6 +356,10 @@ def test_bench_vllm_names_why_a_launch_failed():
     assert launch_failure("Traceback\nValueError: Head dimension 160 is not supported by MLA\nbye\n", 1) == (
         "ValueError: Head dimension 160 is not supported by MLA")
     assert launch_failure("", 137) == "rc 137"
+    timed_out = ("(EngineCore pid=1) ERROR [core.py:1] TimeoutError: RPC call to execute_model timed out.\n"
+                 "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) "
+                 "for the root cause.\n")
+    assert launch_failure(timed_out, 1) == "TimeoutError: RPC call to execute_model timed out."
 
 
 def test_bench_vllm_reads_vllms_log_on_stdout_for_the_cause(tmp_path):
@@ -279,7 +386,7 @@ def test_bench_vllm_bounds_only_the_stock_prefill(tmp_path, monkeypatch):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho \"rows=$MLAQUANT_VLLM_PREFILL_ROWS\"\nexit 1\n")
     fake.chmod(0o755)
-    monkeypatch.setenv(vllm_plugin.PREFILL_ROWS_ENV, "7")
+    monkeypatch.setenv(settings.PREFILL_ROWS_ENV, "7")
     plugin = _launch(str(fake), tmp_path, "p", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--plan", "x")
     stock = _launch(str(fake), tmp_path, "s", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--stock",
                     prefill_rows=1024)

