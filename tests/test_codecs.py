@@ -446,7 +446,7 @@ def test_decode_rejects_wrong_bytes():
         _codec("int8-g32", 64).decode(torch.zeros(2, 65, dtype=torch.uint8))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU here)")
 @pytest.mark.parametrize("name", ["fp16", "int8-g64", "int4-g32", "int4-g32-asym"])
 def test_cuda_bytes_equal_cpu_bytes(name):
     x = _rows()

@@ -312,7 +312,7 @@ def test_the_first_call_that_probes_the_threads_keeps_its_own_buffers(monkeypatc
     from mlaquant.attention import cpu_decode
 
     if native.vector_kernels() is None:
-        pytest.skip("no vector ISA variant of the C kernels builds here")
+        pytest.skip(f"needs a vector ISA variant of the C kernels (an x86 CPU with AVX2); here: {native.describe()}")
     codec = LayerCodec.from_names("int8-row", "int8-row", 512, 64)
     g = torch.Generator().manual_seed(3)
     pool = codec.encode(torch.randn(5 * 64, codec.width, generator=g)).view(5, 64, codec.row_bytes)
@@ -331,7 +331,7 @@ def test_split_threads_follows_the_probe_and_never_changes_the_outputs(monkeypat
     from mlaquant.attention import cpu_decode
 
     if native.vector_kernels() is None:
-        pytest.skip("no vector ISA variant of the C kernels builds here")
+        pytest.skip(f"needs a vector ISA variant of the C kernels (an x86 CPU with AVX2); here: {native.describe()}")
     codec = LayerCodec.from_names("int8-row", "int4-row", D_C, D_R)
     q, pool, table, lens, _, _ = _cache(codec, [300])
     inputs = DecodeInputs(q, pool, table, lens, codec, D_C)

@@ -121,7 +121,8 @@ def test_cpu_int8_matmul_every_route_bit_identical_to_fp64_sums(route, shape, mo
     calls = []
     if route == "c-kernels":
         if native.chosen_isa() not in native.VECTOR_ISAS:
-            pytest.skip("no vector ISA variant of the C kernels builds here")
+            pytest.skip(f"needs a vector ISA variant of the C kernels (an x86 CPU with AVX2); "
+                        f"here: {native.describe()}")
         monkeypatch.setattr(torch, "_int_mm", lambda *a, **kw: calls.append("int_mm"))
     else:
         monkeypatch.setattr(native, "vector_kernels", lambda: None)

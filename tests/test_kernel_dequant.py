@@ -15,12 +15,14 @@ from tests.closeness import assert_close
 from tests.reference import kernel_reference
 
 os.environ["TRITON_INTERPRET"] = "1"
-K = pytest.importorskip("mlaquant.kernels.mla_decode")
+triton = pytest.importorskip("triton", reason="needs triton (not installed)")
+import triton.language as tl  # noqa: E402
+
+import mlaquant.kernels.mla_decode as K  # noqa: E402
+import mlaquant.kernels.mla_decode_jit as J  # noqa: E402  (the kernels' device functions)
+
 if not K.interpreter_active():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-J = pytest.importorskip("mlaquant.kernels.mla_decode_jit")  # the kernels' device functions
 
 from tests.test_kernel_mla_decode import group_dot  # noqa: E402  (a jitted reference: triton must be loaded)
 

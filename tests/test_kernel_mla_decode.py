@@ -23,12 +23,14 @@ from tests.reference import kernel_reference, merge_error_bound, merge_gated_fp1
 # triton.jit picks the CPU interpreter at decoration time, also for triton's own library functions, so the
 # variable must be set before triton is first imported; it stays set (tests that need it unset monkeypatch).
 os.environ["TRITON_INTERPRET"] = "1"
-K = pytest.importorskip("mlaquant.kernels.mla_decode")
+triton = pytest.importorskip("triton", reason="needs triton (not installed)")
+import triton.language as tl  # noqa: E402
+
+import mlaquant.kernels.mla_decode as K  # noqa: E402
+import mlaquant.kernels.mla_decode_jit as J  # noqa: E402  (the kernels' device functions)
+
 if not K.interpreter_active():
     pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set", allow_module_level=True)
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-J = pytest.importorskip("mlaquant.kernels.mla_decode_jit")  # the kernels' device functions
 
 D_C, D_R, PAGE = 64, 16, 64
 SCALE = 0.15

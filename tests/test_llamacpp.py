@@ -3,7 +3,8 @@
 Tier 1: the padded checkpoint is the same function as the original (exact, mlaquant only); llama.cpp with an
 f16 latent cache reproduces mlaquant's FP16-cache mean NLL. Tier 3: llama.cpp's q8_0 / q4_0 caches cost a
 little / more than f16. The speed bench's batched decode (`decode_steps`) generates what llama.cpp's own prefill
-predicts. The llama.cpp tests skip with `unavailable()`'s reason where llama.cpp cannot run.
+predicts. The llama.cpp tests skip where llama-cpp-python is not installed, or where llama.cpp's converter
+source is not found (`unavailable()`'s reason), naming which.
 """
 
 from __future__ import annotations
@@ -50,10 +51,16 @@ def tokens(model):
 
 
 @pytest.fixture(scope="module")
-def gguf(tmp_path_factory):
-    reason = llamacpp.unavailable()
+def llama_cpp():
+    """The llama_cpp module; without it every llama.cpp test skips here, with one reason naming the package."""
+    return pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (not installed)")
+
+
+@pytest.fixture(scope="module")
+def gguf(llama_cpp, tmp_path_factory):
+    reason = llamacpp.unavailable()  # llama_cpp imports: what is missing is llama.cpp's converter source
     if reason is not None:
-        pytest.skip(reason)
+        pytest.skip(f"needs llama.cpp's converter source ({reason})")
     return llamacpp.gguf_for(default_model_path(), tmp_path_factory.mktemp("llamacpp"))
 
 
@@ -77,8 +84,7 @@ def test_padded_checkpoint_is_the_same_function(model, tmp_path, one_thread):
     assert torch.equal(padded(ids), model(ids))
 
 
-def test_cache_types_are_llama_cpp_constants():
-    llama_cpp = pytest.importorskip("llama_cpp")
+def test_cache_types_are_llama_cpp_constants(llama_cpp):
     assert llamacpp.CACHE_TYPES == {
         "f16": llama_cpp.GGML_TYPE_F16,
         "q8_0": llama_cpp.GGML_TYPE_Q8_0,

@@ -3,8 +3,10 @@ forced in turn, against torch references computed independently: exact integer s
 codes, exact below 2^53) and, for the fused FP32 epilogues, torch performing the same FP32 operations in the same order
 (so the same bits). Rows strided and paged, widths with tails, codes -128 / -8 present, negative scales.
 
-The avxvnni variant needs a CPU with AVX-VNNI (Intel Alder Lake and later, AMD Zen 5); it is skipped elsewhere
-(AMD Zen 4, for one, has AVX-512 VNNI but not AVX-VNNI), and so is avx512vnni on CPUs without AVX-512 VNNI."""
+The tests are generated for the variants this CPU runs (`RUNS`, from `native.runnable`); each variant it cannot run
+is one skip of `test_each_variant_builds_or_is_refused`, naming the CPU features it lacks: avxvnni needs AVX-VNNI
+(Intel Alder Lake and later, AMD Zen 5; AMD Zen 4, for one, has AVX-512 VNNI but not AVX-VNNI), avx512vnni needs
+AVX-512 VNNI."""
 
 from __future__ import annotations
 
@@ -15,22 +17,37 @@ import torch
 
 from mlaquant.attention import native
 from mlaquant.attention.cpu_decode import native_parts, quantize_query
+from mlaquant.errors import BackendError
 from mlaquant.quant import band_codecs
 from mlaquant.quant.codecs import CodecSpec, RowCodec, packed_as
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler: the torch ops run instead")
+if shutil.which("cc") is None:
+    pytest.skip("needs a C compiler (no `cc` here): the torch ops run instead", allow_module_level=True)
+
+RUNS = [isa for isa in native.ISAS if native.runnable(isa)]  # probed at collection (the scalar build's probe)
+ISAS = pytest.mark.parametrize("isa", RUNS)
 
 
 def _variant(isa: str) -> native.Kernels:
-    if not native.runnable(isa):
-        lacks = [f for f in native.ISA_NEEDS[isa] if f not in native.cpu_features()]
-        pytest.skip(f"this CPU cannot run the {isa} variant (it lacks {', '.join(lacks)})")
     k = native.kernels(isa)
     assert k is not None and k.isa == isa and k.lib.mlaq_isa() == native.ISAS.index(isa)
     return k
 
 
-ISAS = pytest.mark.parametrize("isa", native.ISAS)
+@pytest.mark.parametrize("isa", native.ISAS)
+def test_each_variant_builds_or_is_refused(isa):
+    """A variant this CPU runs builds as itself (its tests below are generated); one it cannot run is refused with
+    the features it lacks named, and is this CPU's one skip for that variant (its tests are not generated)."""
+    if isa in RUNS:
+        _variant(isa)
+        return
+    lacks = ", ".join(f for f in native.ISA_NEEDS[isa] if f not in native.cpu_features())
+    with pytest.raises(BackendError, match=rf"native ISA '{isa}' cannot run on this CPU \(it lacks {lacks}\)"):
+        native.kernels(isa)
+    pytest.skip(f"needs {lacks} for the {isa} variant: this CPU lacks {'them' if ',' in lacks else 'it'} (the "
+                "variant's tests are not generated here)")
+
+
 # (codec, width): int8/int4 sym/asym, row-wise and grouped, widths with tails past whole 32- and 16-channel chunks
 PARTS = [("int8-row", 48), ("int8-row-asym", 12), ("int4-row", 160), ("int4-row-asym", 48), ("int8-g16", 48),
          ("int8-g32-asym", 160), ("int4-g16", 48), ("int4-g32-asym", 160), ("int4-g64", 512), ("int8-row", 512)]
@@ -310,19 +327,18 @@ def test_pv_exact_at_the_int16_extremes(isa, name, width):
 @pytest.mark.parametrize("name, width", PARTS[:6] + BAND_PARTS[:2])
 def test_every_variant_gives_the_same_bits(name, width):
     """Across the variants this CPU runs: scores and P·V outputs bit for bit (the FP32 operations are the same)."""
-    runs = [isa for isa in native.ISAS if native.runnable(isa)]
     rc, raw, rows = _block(name, width, 130, 9, paged=True)
     g = torch.Generator().manual_seed(3)
     q8 = torch.randint(-127, 128, (16, width), dtype=torch.int8, generator=g)
     qs = torch.rand(16, rc.layout.n_groups, generator=g)
     probs = torch.rand(16, 130, generator=g)
     outs = []
-    for isa in runs:
+    for isa in RUNS:
         scores, acc = torch.zeros(16, 130), torch.zeros(16, width)
         native.kernels(isa).scores(rows, 130, [(part_of(rc), 0, q8, qs)], scores, False)
         native.kernels(isa).pv(rows, 130, part_of(rc), probs, acc)
         outs.append((scores, acc))
-    assert len(runs) >= 2
+    assert len(RUNS) >= 2
     for scores, acc in outs[1:]:
         assert torch.equal(scores, outs[0][0]) and torch.equal(acc, outs[0][1])
 

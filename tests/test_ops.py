@@ -187,7 +187,7 @@ def test_triton_backend_dispatches_to_the_kernel(monkeypatch):
     assert mla_decode(q, pool, table, lens, codec, D_C, SCALE, "auto")[0].shape == (1, H, D_C)  # CPU → torch
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU here)")
 def test_reference_on_cuda_equals_cpu():
     codec = LayerCodec.from_names("int4-g32", "int8-row", D_C, D_R)
     q, rows = _problem([1, 37, 70])
