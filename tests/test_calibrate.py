@@ -140,7 +140,8 @@ def test_interrupted_save_leaves_no_partial_directory(plan_1pct, tmp_path, monke
 
 
 def test_int8_matmul_enters_the_search_and_falls_back(bundled):
-    from mlaquant.calib.calibrate import Validation, add_int8_matmul, int8_matmul_costs
+    from mlaquant.calib.measure import Validation, int8_matmul_costs
+    from mlaquant.calib.search import add_int8_matmul
     from mlaquant.evaluation.eval import Evaluator
 
     # an INT8 cache leaves most of the budget to the projections
@@ -161,7 +162,8 @@ def test_int8_matmul_enters_the_search_and_falls_back(bundled):
 
 
 def test_fallback_skips_wider_candidates_that_measured_worse():
-    from mlaquant.calib.calibrate import Choice, wider
+    from mlaquant.calib.candidates import Choice
+    from mlaquant.calib.search import wider
 
     row = [Choice(f"c{i}", False, False, False, b, loss) for i, (b, loss) in enumerate(
         [(84, 0.0055), (86, 0.0050), (86, 0.0059), (90, 0.0060), (92, 0.0039), (320, 0.0)]
@@ -171,7 +173,8 @@ def test_fallback_skips_wider_candidates_that_measured_worse():
 
 
 def test_narrowing_moves_rank_bytes_saved_per_loss_added():
-    from mlaquant.calib.calibrate import Choice, narrowing_moves
+    from mlaquant.calib.candidates import Choice
+    from mlaquant.calib.search import narrowing_moves
 
     row = lambda *losses: [Choice(f"c{b}", False, False, False, b, loss) for b, loss in zip((84, 90, 106, 320), losses)]
     table = [row(0.004, 0.002, 0.001, 0.0), row(0.0002, 0.0001, 0.00005, 0.0), row(0.01, 0.001, 0.0, 0.0)]
@@ -194,7 +197,8 @@ def test_long_context_check_reports_buckets_and_measures_fixes_when_over_budget(
     assert plan.metrics["long_context"] == long
     # a plan over its budget at 256 tokens (uniform int4-row, unrotated, held to 0.001 %: on 8 x 128 validation
     # tokens a searched plan can read below 0, so the stage is called on a plan known to break it)
-    from mlaquant.calib.calibrate import Sources, long_context
+    from mlaquant.calib.calibrate_config import Sources
+    from mlaquant.calib.checks import long_context
 
     tight = dataclasses.replace(Plan.uniform("int4-row", len(bundled.layers)), budget=0.00001).bind(bundled.cfg)
     over = long_context(bundled, CalibrateConfig(**SMALL, budget=0.00001), Sources.resolve(None, None, None), tight)
@@ -227,7 +231,8 @@ def test_off_distribution_text_is_reported_and_the_second_domain_enters_the_sear
 def test_search_weighs_the_worse_domain():
     """A candidate cheap on the validation split but costly on the second domain is upgraded: the search,
     the fallback order and the narrowing ratios read `Choice.worst`."""
-    from mlaquant.calib.calibrate import Choice, search, wider
+    from mlaquant.calib.candidates import Choice
+    from mlaquant.calib.search import search, wider
 
     row = [Choice("int4", False, False, False, 84, 0.001, 0.009), Choice("int8", False, False, False, 164, 0.0005,
                                                                          0.0006), Choice("fp16/fp16", False, False,
@@ -242,7 +247,8 @@ def test_candidates_that_do_not_fit_the_widths_are_skipped_not_fatal(synthetic, 
     """A DeepSeek-V3-style checkpoint with kv_lora_rank 48 and qk_rope_head_dim 12: group-32 candidates do not
     divide 48, so they are skipped and named (summary, report, plan.yaml); the others calibrate. Only when no
     candidate but FP16 fits is it an error, in one line."""
-    from mlaquant.calib.calibrate import fitting_candidates, summary_table
+    from mlaquant.calib.candidates import fitting_candidates
+    from mlaquant.calib.report import summary_table
 
     odd = load_model(synthetic(tmp_path / "odd", 2, kv_lora_rank=48, rope_dim=12))
     cfg = CalibrateConfig(**SMALL, budget=0.05, try_rotation=False, narrow_trials=0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from mlaquant import DecodeSession
-from mlaquant.calib.calibrate import max_row_error
 from mlaquant.calib.observers import observe
+from mlaquant.calib.search import max_row_error
 from mlaquant.quant.codecs import LayerCodec
 from mlaquant.runtime.guard import Guard
 from mlaquant.runtime.plan import LayerPlan, Plan

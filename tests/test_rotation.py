@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from mlaquant import DecodeSession
-from mlaquant.calib.calibrate import CalibrateConfig, LayerVariants, best_variant
+from mlaquant.calib.calibrate import CalibrateConfig
+from mlaquant.calib.candidates import LayerVariants, best_variant
 from mlaquant.calib.observers import LatentStats
 from mlaquant.errors import PlanError
 from mlaquant.evaluation.eval import fake_quant_hook
