@@ -54,6 +54,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--compiled", action="store_true", help="vLLM's default compiled mode instead of enforce_eager")
     p.add_argument("--ngram", type=int, default=0, help="speculative decoding by vLLM's n-gram proposer, N tokens")
     p.add_argument("--attention-backend", default=None, help="vLLM's --attention-backend (default: vLLM's choice)")
+    p.add_argument("--quantization", default=None, help="vLLM's --quantization (default: what the model declares)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (vLLM's multiprocessing executor; on CPU set VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1')")
     p.add_argument("--out", required=True)
@@ -114,6 +115,25 @@ def _median_step(steps: list[dict]) -> dict:
     return sorted(steps, key=lambda s: s["s"])[len(steps) // 2] if steps else {}
 
 
+def _engine_args(args: argparse.Namespace) -> dict:
+    """`vllm.LLM` keyword arguments of the command line's options (beyond model, dtype, cache memory and mode)."""
+    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
+    if args.tensor_parallel_size > 1:
+        if args.time_attention:
+            raise SystemExit("--time-attention runs vLLM in one process: tensor parallelism 1 only")
+        extra.update(tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend="mp")
+    elif args.time_attention:
+        extra["distributed_executor_backend"] = "uni"
+    if args.stock or args.attention_backend:
+        extra["attention_backend"] = args.attention_backend or "CPU_MLA"
+    if args.quantization:
+        extra["quantization"] = args.quantization
+    if args.ngram:
+        extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
+                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    return extra
+
+
 def main(argv=None) -> None:
     args = _args(argv)
     os.environ.pop(PLAN_ENV, None)
@@ -132,21 +152,10 @@ def main(argv=None) -> None:
 
     data = json.loads(Path(args.prompts).read_text())
     started = time.perf_counter()
-    extra = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-    if args.tensor_parallel_size > 1:
-        extra.update(tensor_parallel_size=args.tensor_parallel_size, distributed_executor_backend="mp")
-    if args.stock or args.attention_backend:
-        extra["attention_backend"] = args.attention_backend or "CPU_MLA"
     if args.time_attention:
-        if args.tensor_parallel_size > 1:
-            raise SystemExit("--time-attention runs vLLM in one process: tensor parallelism 1 only")
-        extra["distributed_executor_backend"] = "uni"
         time_attention(clock)
-    if args.ngram:
-        extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
-                                       "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory, seed=0,
-              enforce_eager=not args.compiled, disable_log_stats=False, **extra)
+              enforce_eager=not args.compiled, disable_log_stats=False, **_engine_args(args))
     load_s = time.perf_counter() - started
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     started = time.perf_counter()
