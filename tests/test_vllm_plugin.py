@@ -391,3 +391,15 @@ def test_bench_vllm_bounds_only_the_stock_prefill(tmp_path, monkeypatch):
     stock = _launch(str(fake), tmp_path, "s", tmp_path, [[1, 2]], 4, 1 << 20, "float32", 1, 64, "--stock",
                     prefill_rows=1024)
     assert plugin == {"error": "rows="} and stock == {"error": "rows=1024"}
+
+
+def test_a_speculative_run_schedules_as_many_tokens_a_step_as_the_plain_one():
+    """With --ngram the run passes max_num_batched_tokens = max_model_len: vLLM fixes a speculative run's tokens per
+    step before its CPU platform raises the batch to max_model_len for MLA, so without it the batch's prompts
+    prefilled 4,096 tokens a step and no step of batch 16 × 4k had the whole batch decoding (bench rows empty)."""
+    from mlaquant.integrations.vllm.run import _args, _engine_args
+
+    base = ["--model", "m", "--prompts", "p", "--kv-cache-memory", "1", "--out", "o", "--max-model-len", "65792"]
+    assert "max_num_batched_tokens" not in _engine_args(_args(base))
+    extra = _engine_args(_args([*base, "--ngram", "3"]))
+    assert extra["max_num_batched_tokens"] == 65792 and extra["speculative_config"]["num_speculative_tokens"] == 3

@@ -196,6 +196,7 @@ def _row(batch: int, context: int, dtype: str, name: str, r: dict, base: dict) -
             "attention_s": attention, "rest_s": None if step is None or attention is None else step - attention,
             "capacity_tokens": r.get("capacity_tokens"), "error": r.get("error"), "load_s": r.get("load_s"),
             "cpu_capability": r.get("cpu_capability"), "spec_decode": r.get("spec_decode") or None,
+            "tokens_per_step": r.get("tokens_per_step"),
             "step_vs_stock": _ratio(step, base.get("decode_step_s")),
             "capacity_vs_stock": _ratio(r.get("capacity_tokens"), base.get("capacity_tokens"))}
 
@@ -324,10 +325,10 @@ def _markdown(report: dict) -> str:
              f"thread(s); {mode}; prefill: {report['prefill']} a step; vLLM CPU_MLA's prefill attention: "
              f"{_rows_text(report.get('stock_prefill_rows'))}; {amx}; llama.cpp: {report['llama_cpp']}", "",
              "| batch | context | dtype | engine | decode step (ms) | attention (ms) | rest (ms) | vs vLLM CPU_MLA "
-             "| KV capacity (tokens) | vs CPU_MLA | start-up (s) | spec. accepted / drafted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| KV capacity (tokens) | vs CPU_MLA | start-up (s) | spec. accepted / drafted | tokens / step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
-    def fmt(x, f, scale=1.0):
+    def fmt(x, f, scale=1):
         return "" if x is None else format(x * scale, f)
 
     for r in report["rows"]:
@@ -337,7 +338,8 @@ def _markdown(report: dict) -> str:
         lines.append(f"| {r['batch']} | {r['context']} | {r.get('dtype', '')} | {r['engine']} | {step} | "
                      f"{fmt(r.get('attention_s'), '.2f', 1e3)} | {fmt(r.get('rest_s'), '.2f', 1e3)} | "
                      f"{fmt(r['step_vs_stock'], '.2f')} | {fmt(r.get('capacity_tokens'), ',')} | "
-                     f"{fmt(r.get('capacity_vs_stock'), '.2f')} | {fmt(r.get('load_s'), '.1f')} | {accepted} |")
+                     f"{fmt(r.get('capacity_vs_stock'), '.2f')} | {fmt(r.get('load_s'), '.1f')} | {accepted} | "
+                     f"{fmt(r.get('tokens_per_step'), '.2f')} |")
     s = report.get("startup")
     if s:
         lines += ["", f"start-up (LLM construction, median of {s['launches'][0]} / {s['launches'][1]} launches): "

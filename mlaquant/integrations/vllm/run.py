@@ -131,6 +131,11 @@ def _engine_args(args: argparse.Namespace) -> dict:
     if args.ngram:
         extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.ngram,
                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        if args.max_model_len:
+            # vLLM sizes a speculative run's tokens per step (VllmConfig._set_max_num_scheduled_tokens) from
+            # max_num_batched_tokens before the CPU platform raises that to max_model_len for MLA
+            # (CpuPlatform.check_and_update_config): without it, 4,096 tokens a step, one long prompt at a time
+            extra["max_num_batched_tokens"] = args.max_model_len
     return extra
 
 
