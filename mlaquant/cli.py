@@ -36,6 +36,7 @@ OOM_SETTINGS = {
     "sweep": "--samples / --seq-len (batch_size in the sweep config)",
     "export": "--samples / --seq-len",
     "engines": "--tokens / --contexts",
+    "recall": "--prompts / --seq-len",
 }
 
 # subcommand -> (module, one-line help)
@@ -47,6 +48,7 @@ SUBCOMMANDS = {
     "sweep": ("mlaquant.calib.sweep", "accuracy-vs-memory report over cache codecs and plans"),
     "export": ("mlaquant.integrations.export", "export a plan for vLLM / SGLang"),
     "engines": ("mlaquant.calib.engines", "what each engine cache setting costs on a model"),
+    "recall": ("mlaquant.calib.recall", "exact recall over a long context, FP16 against each plan"),
 }
 
 

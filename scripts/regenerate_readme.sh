@@ -4,7 +4,7 @@
 #
 #     bash scripts/regenerate_readme.sh [OUT [STEP ...]]     (OUT default runs/readme; STEP default: all, in order)
 #
-# Steps: main_job three_bit two_bit sweep engines engines_test levels transform ablation_2bit engine_fp8 export_vllm
+# Steps: main_job three_bit two_bit sweep engines engines_test levels transform ablation_2bit recall engine_fp8 export_vllm
 #        int8_matmul rope_rotation guard guard_clip_all fast_path bf16 generate hf_cache lm_eval
 #
 # The decode-speed benchmarks (`mlaquant bench decode ...`) are not here: they use random weights, not the
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/readme}
 shift || true
-STEPS=${*:-main_job three_bit two_bit sweep engines engines_test levels transform ablation_2bit engine_fp8 export_vllm int8_matmul rope_rotation guard guard_clip_all fast_path bf16 generate hf_cache lm_eval}
+STEPS=${*:-main_job three_bit two_bit sweep engines engines_test levels transform ablation_2bit recall engine_fp8 export_vllm int8_matmul rope_rotation guard guard_clip_all fast_path bf16 generate hf_cache lm_eval}
 mkdir -p "$OUT"
 run() {  # run NAME CMD...: stdout+stderr to OUT/NAME.txt, wall time appended; skipped unless NAME is in STEPS
     local name=$1; shift
@@ -32,6 +32,7 @@ run engines_test mlaquant engines --plan plans/default --data test --codecs int4
 run levels python scripts/measure_levels.py
 run transform python scripts/measure_transform.py --out "$OUT/transform.json"
 run ablation_2bit python scripts/measure_2bit.py --out "$OUT/ablation-2bit.json"
+run recall mlaquant recall --plans plans/default,plans/3bit,plans/2bit
 run engine_fp8 mlaquant calibrate --config configs/calibrate-engine-fp8.yaml --out plans/engine-fp8
 run export_vllm mlaquant export --plan plans/engine-fp8 --engine vllm --out "$OUT/served-vllm"
 run int8_matmul mlaquant calibrate --int8-matmul --out plans/int8mm
