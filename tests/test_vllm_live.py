@@ -218,6 +218,9 @@ def test_greedy_tokens_equal_decode_sessions(plan, served, session_tokens, input
     assert got == want
     assert served[plan]["quantization"] == (None if plan == "fp16-rotated" else "mlaquant")
     assert served[plan]["compiled"] == RUNS[plan][1]
+    mode = "compiled" if RUNS[plan][1] else "eager"
+    print(f"{plan}: vLLM's LLM construction {served[plan]['load_s']} s ({mode}, the three plans' launches sharing "
+          "the machine)")
 
 
 def _nll(logprobs: list[list[float]]) -> torch.Tensor:
