@@ -8,6 +8,7 @@ leaves the destination as it was and removes the temporary.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import tempfile
@@ -55,6 +56,11 @@ def atomic_write(path: str | Path, data: bytes | str, mode: int = 0o644) -> None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def write_json(path: str | Path, obj, indent: int = 2) -> None:
+    """`atomic_write` of `obj` as JSON (a measurement script's --out)."""
+    atomic_write(path, json.dumps(obj, indent=indent) + "\n")
 
 
 def _aside(out_dir: Path) -> Path:

@@ -25,12 +25,12 @@ water-filling on the pre-RoPE variances at the given rate, channels sorted by va
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from tqdm import tqdm
 
 from mlaquant import load_model
+from mlaquant.atomic import write_json
 from mlaquant.calib.data import split_path
 from mlaquant.calib.observers import observe
 from mlaquant.calib.transform import allocate_bands, principal_rotation
@@ -271,8 +271,7 @@ def main() -> None:
     for r in results:
         print(f"| {r['row']} | {r['bits_per_value']:.3f} | {r['validation']:+.3%} | {r['test']:+.3%} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.out, results, indent=2)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ top-2 logit margin there are printed (a near-tie flips). Prints markdown; `--out
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mlaquant import DecodeSession, load_model
+from mlaquant.atomic import write_json
 from mlaquant.calib.data import split_path
 from mlaquant.evaluation.samples import token_samples
 from mlaquant.runtime.plan import Plan
@@ -92,8 +92,7 @@ def main() -> None:
     for g in greedy:
         print(f"| {g['prompt']!r} | {g['equal']} | {g['first_diff']} | {g['margin']} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "greedy": greedy}, f, indent=1)
+        write_json(args.out, {"args": vars(args), "rows": rows, "greedy": greedy}, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 
 import torch
 from tqdm import tqdm
 
 from mlaquant import load_model
+from mlaquant.atomic import write_json
 from mlaquant.calib.data import shift_description, shift_source, split_path
 from mlaquant.calib.observers import observe
 from mlaquant.evaluation.eval import Evaluator
@@ -90,8 +90,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['codec']} | {r['rule']} | {r['sqnr_db']:.2f} | {r['test']:+.3%} | {r['third-party']:+.3%} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(args.out, rows, indent=2)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Prints a markdown table; `--out` also writes it as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import torch
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from mlaquant import DecodeSession, load_model
+from mlaquant.atomic import write_json
 from mlaquant.calib.data import split_path
 from mlaquant.evaluation.eval import position_spans
 from mlaquant.evaluation.samples import token_samples
@@ -102,8 +102,7 @@ def main() -> None:
         print(f"| {r['run']} | {math.exp(r['nll']):.3f} | {r['loss']:+.3%} | {cells} | {r['recalibrations']} |")
     print(f"{args.samples} test sequences × {args.seq_len} tokens, prefill {args.prefill}, {rows[0]['tokens']} decoded")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        write_json(args.out, {"args": vars(args), "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,11 @@ Prints a markdown table; `--out` also writes it as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 
 from tqdm import tqdm
 
 from mlaquant import load_model
+from mlaquant.atomic import write_json
 from mlaquant.calib.data import split_path
 from mlaquant.calib.observers import observe
 from mlaquant.evaluation.eval import Evaluator
@@ -65,8 +65,7 @@ def main() -> None:
         cells += [f"{row[f'{c}{r}']:+.3%}" for c in codecs for r in ("", " rotated")]
         print("| " + " | ".join(cells) + " |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_json(args.out, rows, indent=2)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ byte counted. Rotations and allocations come from 64 calibration samples:
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 from tqdm import tqdm
 
 from mlaquant import load_model
+from mlaquant.atomic import write_json
 from mlaquant.attention.reference import causal_attention
 from mlaquant.calib.data import split_path
 from mlaquant.calib.observers import observe
@@ -115,8 +115,7 @@ def main() -> None:
     for r in results:
         print(f"| {r['row']} | {r['bits_per_value']:.3f} | {r['validation']:+.3%} | {r['test']:+.3%} | {r['layer0']} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.out, results, indent=2)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
 import pytest
 
 from mlaquant import atomic
-from mlaquant.atomic import atomic_directory, atomic_write, recover_directory
+from mlaquant.atomic import atomic_directory, atomic_write, recover_directory, write_json
 
 
 def _mode(path) -> int:
@@ -23,6 +24,16 @@ def test_atomic_write_replaces_content_with_mode(tmp_path):
     atomic_write(path, "x", mode=0o600)
     assert _mode(path) == 0o600
     assert sorted(p.name for p in path.parent.iterdir()) == ["f.txt"]
+
+
+def test_write_json_round_trips_and_an_unserialisable_object_keeps_the_old_file(tmp_path):
+    path = tmp_path / "rows.json"
+    write_json(path, [{"row": "a", "loss": 0.5}])
+    assert json.loads(path.read_text()) == [{"row": "a", "loss": 0.5}]
+    with pytest.raises(TypeError):
+        write_json(path, [{"row": object()}])
+    assert json.loads(path.read_text()) == [{"row": "a", "loss": 0.5}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json"]
 
 
 @pytest.mark.parametrize("fail", ["wrong type", "fsync"])
