@@ -27,6 +27,9 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
              (a residual FP16 window, INT8 RoPE keys) are reported — offered, not applied.
    shift     the plan on off-distribution text (`shift_samples` windows of `seq_len`, `shift_long_samples`
              of `long_seq_len` tokens); reported, never used to choose.
+   recall    with `recall_prompts`, exact recall (`mlaquant.evaluation.recall`): test windows of `long_seq_len`
+             tokens ending in the first tokens of an earlier span, the share of the span FP16 and the plan
+             reproduce greedily; reported, never used to choose.
 6. report    the plan's metrics (validation and checks, every candidate measured) and settings, guard
              bounds from the calibration rows, and an atomically written plan directory (plan.yaml +
              scales.safetensors).
@@ -34,9 +37,9 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
 Each step is a function, its inputs and outputs in its signature, in a room of one job: `observe_variants` and
 `measure` (`mlaquant.calib.measure`, over the candidates of `mlaquant.calib.candidates`); `search`, `fall_back`
 (verify), `narrow` and `int8_projections` (`mlaquant.calib.search`); `held_out` (`mlaquant.calib.checks`: the
-test split, `long_context`, `off_distribution`); `build_report` (`mlaquant.calib.report`). `calibrate` runs them
-in that order; this module is also the `mlaquant calibrate` command (`add_arguments`, `run`). What a run is
-given: `mlaquant.calib.calibrate_config` (`CalibrateConfig`, `Sources`).
+test split, `long_context`, `off_distribution`, `exact_recall`); `build_report` (`mlaquant.calib.report`).
+`calibrate` runs them in that order; this module is also the `mlaquant calibrate` command (`add_arguments`,
+`run`). What a run is given: `mlaquant.calib.calibrate_config` (`CalibrateConfig`, `Sources`).
 
 Loss = relative perplexity increase against the FP16 cache, teacher-forced, every token through the
 quantized cache (`mlaquant.evaluation.eval`).

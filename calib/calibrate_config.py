@@ -32,6 +32,12 @@ class CalibrateConfig:
     # of long_seq_len tokens of third-party text disjoint from the reported one (`shift_validation_source`;
     # 0 = off), where long contexts and unfamiliar code cost the most.
     shift_val_samples: int = 8
+    # Exact recall (`mlaquant.evaluation.recall`): `recall_prompts` test windows of long_seq_len tokens ending in
+    # the first `recall_cue` tokens of an earlier span; the share of the next `recall_span` greedy tokens that
+    # reproduce it, FP16 and the plan (0 = off). Reported, never used to choose.
+    recall_prompts: int = 0
+    recall_cue: int = 16
+    recall_span: int = 64
     budget: float = 0.01
     headroom: float = 0.6
     seed: int = 0
@@ -72,6 +78,14 @@ class CalibrateConfig:
             raise ConfigError("calibrate: long_seq_len (0 or ≥ 2), long_test_samples and long_window must be ≥ 0")
         if min(self.shift_samples, self.shift_long_samples, self.shift_val_samples) < 0:
             raise ConfigError("calibrate: shift_samples, shift_long_samples and shift_val_samples must be ≥ 0")
+        if self.recall_prompts < 0 or self.recall_cue < 1 or self.recall_span < 1:
+            raise ConfigError("calibrate: recall_prompts must be ≥ 0, recall_cue and recall_span ≥ 1")
+        need = 2 * (self.recall_cue + self.recall_span) + self.recall_cue
+        if self.recall_prompts and self.long_seq_len < need:
+            raise ConfigError(
+                f"calibrate: recall needs long_seq_len ≥ {need} for a cue of {self.recall_cue} and a span of "
+                f"{self.recall_span}, got {self.long_seq_len}"
+            )
         if self.batch_size is not None and self.batch_size <= 0:
             raise ConfigError(f"calibrate: batch_size must be > 0 or null (auto), got {self.batch_size}")
         if "fp16/fp16" not in self.candidates:

@@ -1,6 +1,7 @@
 """Stage check: the verified plan on text that chose nothing — the test split at `seq_len`, test windows of
-`long_seq_len` tokens (`long_context`, with the fixes measured where it breaks the budget there) and
-off-distribution text (`off_distribution`). Measured and reported, never used to choose."""
+`long_seq_len` tokens (`long_context`, with the fixes measured where it breaks the budget there), off-distribution
+text (`off_distribution`) and exact recall over test windows (`exact_recall`). Measured and reported, never used to
+choose."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import copy
 from mlaquant.calib.calibrate_config import CalibrateConfig, Sources
 from mlaquant.calib.measure import long_batch, verify
 from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.recall import Recall
 from mlaquant.evaluation.samples import token_samples
 from mlaquant.modeling.protocol import LatentModel
 from mlaquant.runtime.plan import Plan
@@ -16,8 +18,8 @@ from mlaquant.runtime.plan import Plan
 
 def held_out(model: LatentModel, cfg: CalibrateConfig, sources: Sources, plan: Plan) -> dict:
     """Stage check: `plan` (bound to `model`) on the test split's `test_samples` windows of `seq_len` tokens,
-    then `long_context` and `off_distribution`, each when on; keyed as in the report ('test', 'long_context',
-    'shift')."""
+    then `long_context`, `off_distribution` and `exact_recall`, each when on; keyed as in the report ('test',
+    'long_context', 'shift', 'recall')."""
     out = {}
     if cfg.test_samples:
         test = token_samples(
@@ -28,7 +30,18 @@ def held_out(model: LatentModel, cfg: CalibrateConfig, sources: Sources, plan: P
         out["long_context"] = long_context(model, cfg, sources, plan)
     if cfg.shift_samples or cfg.shift_long_samples:
         out["shift"] = off_distribution(model, cfg, sources, plan)
+    if cfg.recall_prompts:
+        out["recall"] = exact_recall(model, cfg, sources, plan)
     return out
+
+
+def exact_recall(model: LatentModel, cfg: CalibrateConfig, sources: Sources, plan: Plan) -> dict:
+    """Stage recall: FP16's and `plan`'s share of copied spans reproduced (`Recall.summary`) on `recall_prompts`
+    test windows of `long_seq_len` tokens (greedy decode through `DecodeSession`, torch reference attention)."""
+    windows = token_samples(
+        model.tokenizer, sources.test, cfg.recall_prompts, cfg.long_seq_len, cfg.seed + 7, model.cfg.eos_id
+    )
+    return Recall(model, windows, cfg.recall_cue, cfg.recall_span, cfg.seed + 7).summary(plan)
 
 
 def long_context(model: LatentModel, cfg: CalibrateConfig, sources: Sources, plan: Plan) -> dict:

@@ -1,6 +1,6 @@
 """Stage report, and what `mlaquant calibrate` prints: `build_report` fills in the plan's fallbacks, metrics
-and settings (what plan.yaml records) and the report dict; `summary_table` (with `long_context_lines` and
-`shift_line`) is the table printed, `json_summary` the `--json` line."""
+and settings (what plan.yaml records) and the report dict; `summary_table` (with `long_context_lines`,
+`shift_line` and `recall_line`) is the table printed, `json_summary` the `--json` line."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def build_report(
     report["seconds"] = round(time.perf_counter() - t0, 1)
     report |= peak_memory(model.device)
     plan.fallbacks = v.fallbacks
-    kept = ("validation", "shift_validation", "test", "long_context", "shift")
+    kept = ("validation", "shift_validation", "test", "long_context", "shift", "recall")
     plan.metrics = {k: report[k] for k in kept if k in report} | {
         "bytes_per_token_per_layer": plan.bytes_per_token() / len(model.layers),
         "bits_per_value": round(plan.bits_per_value(), 4),
@@ -95,6 +95,8 @@ def summary_table(plan: Plan, model: LatentModel, report: dict) -> str:
         out += "\n" + long_context_lines(report["long_context"], plan.budget)
     if "shift" in report:
         out += "\n" + shift_line(report["shift"], plan.budget)
+    if "recall" in report:
+        out += "\n" + recall_line(report["recall"])
     if "skipped_candidates" in report:
         names = ", ".join(s["candidate"] for s in report["skipped_candidates"])
         out += f"\n   skipped: {names} (do not fit d_c {model.cfg.kv_lora_rank} / d_r {model.cfg.qk_rope_head_dim})"
@@ -130,6 +132,15 @@ def shift_line(shift: dict, budget: float) -> str:
     return f"   shifted: loss {parts} ({verdict} budget {budget:.2%}); text: {shift['data']}"
 
 
+def recall_line(recall: dict) -> str:
+    """The summary's exact-recall line: the plan's share against FP16's, and on what prompts."""
+    return (
+        f"    recall: {recall['plan']:.1%} of copied spans vs FP16 {recall['fp16']:.1%} "
+        f"({recall['vs_fp16_points']:+.1f} points); {recall['prompts']} test prompts of {recall['seq_len']} tokens, "
+        f"{recall['cue']}-token cue, {recall['span']} greedy tokens"
+    )
+
+
 def json_summary(plan: Plan, model: LatentModel, report: dict, out: Path) -> dict:
     """What `calibrate --json` prints: the plan per layer, its size, the measured splits, timings."""
     layers = [
@@ -147,7 +158,11 @@ def json_summary(plan: Plan, model: LatentModel, report: dict, out: Path) -> dic
         "bits_per_value": round(plan.bits_per_value(), 4),
         "bytes_per_token": plan.bytes_per_token(),
         "layers": layers,
-        **{k: report[k] for k in ("validation", "test", "long_context", "shift", "skipped_candidates") if k in report},
+        **{
+            k: report[k]
+            for k in ("validation", "test", "long_context", "shift", "recall", "skipped_candidates")
+            if k in report
+        },
         "fallbacks": len(plan.fallbacks),
         "seconds": report["seconds"],
         "peak_rss_mib": report["peak_rss_mib"],

@@ -51,6 +51,7 @@ from mlaquant.device import from_args as device_from_args
 from mlaquant.errors import MLAQuantError, PlanError
 from mlaquant.evaluation import report as report_mod
 from mlaquant.evaluation.eval import sample_bytes
+from mlaquant.evaluation.recall import Recall
 from mlaquant.evaluation.samples import token_samples
 from mlaquant.modeling.model import MLAModel
 from mlaquant.quant.codecs import CodecError
@@ -95,8 +96,14 @@ def sweep(
             cfg.decode_threads,
         ],
     }
+    recall = None
+    if cfg.recall_prompts:
+        n, length, seed = cfg.recall_prompts, cfg.recall_seq_len, cfg.seed + 7
+        recall = Recall(model, token_samples(model.tokenizer, data, n, length, seed, model.cfg.eos_id),
+                        cfg.recall_cue, cfg.recall_span, seed)
+        key_src["recall"] = [n, length, cfg.recall_cue, cfg.recall_span]
     key = hashlib.sha256(json.dumps(key_src, sort_keys=True).encode()).hexdigest()
-    rows, reference, resumed = run_rows(SweepRun(model, samples, cfg, plans), specs, out, key, quiet)
+    rows, reference, resumed = run_rows(SweepRun(model, samples, cfg, plans, recall), specs, out, key, quiet)
     dims = model_dims(model)
     final = [report_mod.add_derived(rows[s.id], list(cfg.contexts), dims, samples.shape[1]) for s in specs]
     target = next((pid for pid, p in plans.items() if p.budget == cfg.target_budget), None)

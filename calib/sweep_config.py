@@ -60,6 +60,10 @@ class SweepConfig:
     decode_steps: int = 16
     decode_backend: str = "auto"
     decode_threads: int | None = 1
+    recall_prompts: int = 0
+    recall_seq_len: int = 2048
+    recall_cue: int = 16
+    recall_span: int = 64
 
     def __post_init__(self) -> None:
         if not self.codecs and not self.peers and not self.budgets:
@@ -78,6 +82,13 @@ class SweepConfig:
         ):
             raise ConfigError(
                 "sweep: need window ≥ 0, decode_context ≥ 1, decode_steps ≥ 1, decode_threads ≥ 1"
+            )
+        if self.recall_prompts < 0 or min(self.recall_cue, self.recall_span) < 1 or (
+            self.recall_prompts and self.recall_seq_len < 2 * (self.recall_cue + self.recall_span) + self.recall_cue
+        ):
+            raise ConfigError(
+                "sweep: need recall_prompts ≥ 0, recall_cue and recall_span ≥ 1, and recall_seq_len ≥ "
+                f"2 × (cue + span) + cue = {2 * (self.recall_cue + self.recall_span) + self.recall_cue}"
             )
         for name in self.peers:
             PeerSpec.parse(name)

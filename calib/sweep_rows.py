@@ -21,6 +21,7 @@ from mlaquant.atomic import atomic_write
 from mlaquant.calib.peers import PeerSpec, PeerUnavailable, torch_threads
 from mlaquant.calib.sweep_config import SweepConfig
 from mlaquant.evaluation.eval import Evaluator
+from mlaquant.evaluation.recall import Recall
 from mlaquant.integrations.engines import FORMATS
 from mlaquant.modeling.model import MLAModel
 from mlaquant.quant.codecs import CodecError
@@ -84,12 +85,14 @@ def plan_label(plan: Plan) -> str:
 
 
 class SweepRun:
-    """Measures rows for one model on one token set; the FP16 reference and peer models load lazily."""
+    """Measures rows for one model on one token set; the FP16 reference and peer models load lazily. With a
+    `recall` check (`mlaquant.evaluation.recall.Recall`) each of our rows also carries its recall share."""
 
     def __init__(
-        self, model: MLAModel, samples: torch.Tensor, cfg: SweepConfig, plans: dict[str, Plan]
+        self, model: MLAModel, samples: torch.Tensor, cfg: SweepConfig, plans: dict[str, Plan],
+        recall: Recall | None = None,
     ) -> None:
-        self.model, self.samples, self.cfg, self.plans = model, samples, cfg, plans
+        self.model, self.samples, self.cfg, self.plans, self.recall = model, samples, cfg, plans, recall
         self._evaluator: Evaluator | None = None
         self._hf = None
         self.prompt = samples[:1, : min(cfg.decode_context, samples.shape[1])]
@@ -103,7 +106,8 @@ class SweepRun:
     def reference(self) -> dict:
         """The FP16-latent cache's own numbers on the test tokens (what every Δppl is relative to)."""
         ev = self.evaluator
-        return {"nll": round(ev.ref_nll, 8), "ppl": round(math.exp(ev.ref_nll), 8), "tokens": ev.tokens}
+        out = {"nll": round(ev.ref_nll, 8), "ppl": round(math.exp(ev.ref_nll), 8), "tokens": ev.tokens}
+        return out if self.recall is None else out | {"recall": self.recall.fp16}
 
     def measure(self, row: RowSpec) -> dict:
         if row.kind == "peer":
@@ -129,6 +133,8 @@ class SweepRun:
             "metrics": result.as_dict(),
             "decode_tokens_per_s": self.decode_tokens_per_s(plan),
         }
+        if self.recall is not None:
+            out["recall"] = self.recall.share(plan)
         if plan.window:
             out["residual_tokens"] = plan.window
             out["residual_bytes_per_token_per_layer"] = self.model.cfg.latent_dim * 2

@@ -262,3 +262,32 @@ def test_candidates_that_do_not_fit_the_widths_are_skipped_not_fatal(synthetic, 
     assert all(lp.codec_name in cfg.candidates for lp in plan.layers)
     with pytest.raises(MLAQuantError, match=r"no candidate codec fits latent widths d_c 48, d_r 12 \(int4-g32"):
         fitting_candidates(("int4-g32/int4-g32", "fp16/fp16"), 48, 12)
+
+
+def test_exact_recall_is_a_line_of_the_report_measured_on_held_out_windows(bundled, plan_1pct):
+    """With recall_prompts the check stage scores FP16 and the plan on test windows of long_seq_len tokens (the same
+    numbers `Recall` gives on those windows), plan.yaml keeps them and the summary prints them; off by default."""
+    from mlaquant.calib.calibrate_config import Sources
+    from mlaquant.calib.checks import held_out
+    from mlaquant.calib.report import recall_line
+    from mlaquant.evaluation.recall import Recall
+
+    plan, report = plan_1pct
+    assert "recall" not in report and "recall" not in plan.metrics
+    cfg = CalibrateConfig(**{**SMALL, "test_samples": 0, "shift_samples": 0, "shift_long_samples": 0},
+                          recall_prompts=2, recall_cue=4, recall_span=8)
+    got = held_out(bundled, cfg, Sources.resolve(None, None, None), plan)["recall"]
+    windows = token_samples(bundled.tokenizer, split_path("test"), 2, 256, cfg.seed + 7, bundled.cfg.eos_id)
+    again = Recall(bundled, windows, 4, 8, cfg.seed + 7)
+    assert got == {"prompts": 2, "seq_len": 256, "cue": 4, "span": 8, "fp16": again.fp16, "plan": again.share(plan),
+                   "vs_fp16_points": pytest.approx(100 * (again.share(plan) - again.fp16))}
+    line = recall_line(got)
+    assert line.startswith(f"    recall: {got['plan']:.1%} of copied spans vs FP16 {got['fp16']:.1%}")
+    assert "2 test prompts of 256 tokens, 4-token cue, 8 greedy tokens" in line
+
+
+def test_a_recall_window_too_short_for_its_span_is_one_line():
+    with pytest.raises(ConfigError, match="recall needs long_seq_len ≥ 176 for a cue of 16 and a span of 64, got 128"):
+        CalibrateConfig(long_seq_len=128, recall_prompts=4)
+    with pytest.raises(ConfigError, match="recall_prompts must be ≥ 0"):
+        CalibrateConfig(recall_prompts=-1)

@@ -9,8 +9,10 @@ import torch
 
 from mlaquant.cli import main
 from mlaquant.errors import MLAQuantError
-from mlaquant.evaluation.recall import RecallSet, recall_set, recall_share
+from mlaquant.evaluation.eval import fake_quant_hook
+from mlaquant.evaluation.recall import Recall, RecallSet, recall_set, recall_share
 from mlaquant.modeling.loader import load_model
+from mlaquant.runtime.plan import Plan
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +66,34 @@ def test_an_unknown_plan_stops_the_command_before_any_decode(capsys):
     assert main(["recall", "--plans", "int3-nope", "--prompts", "2", "--seq-len", "192", "-q"]) == 2
     err = capsys.readouterr().err.strip()
     assert "plan 'int3-nope' is neither a plan directory nor codec names" in err and "\n" not in err
+
+
+def greedy_by_recompute(model, plan: Plan, prompts: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy tokens [n, steps] by a full teacher-forced forward per step, every latent row through the plan's
+    fake quantization (no cache, no DecodeSession): an independent path to the same tokens."""
+    rotated, hook = plan.apply(model), fake_quant_hook(plan.layer_codecs())
+    ids = prompts
+    for _ in range(steps):
+        logits = rotated(ids, hook)
+        ids = torch.cat((ids, logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return ids[:, prompts.shape[1]:]
+
+
+def test_the_check_scores_fp16_and_a_plan_as_a_full_recompute_does(model):
+    """`Recall.summary`: FP16's and a 2-bit plan's shares equal the share of target tokens that a cache-free greedy
+    recompute reproduces, and the gap is their difference in points. The targets: FP16's recomputed tokens, the
+    second half of each replaced by the plan's, so that both shares lie strictly between 0 and 1 where they differ."""
+    torch.manual_seed(1)
+    check = Recall(model, torch.randint(100, 1000, (3, 96)), cue=4, span=8, seed=3)
+    low = Plan.uniform("band-2x128/band-2x32", len(model.layers)).bind(model.cfg)
+    fp16 = Plan.uniform("fp16", len(model.layers)).bind(model.cfg)
+    ref, got = (greedy_by_recompute(model, p, check.rs.prompts, 8) for p in (fp16, low))
+    assert not torch.equal(ref, got)  # the plan changes some greedy tokens: the two shares can tell them apart
+    targets = torch.cat((ref[:, :4], got[:, 4:]), dim=1)
+    check.rs = RecallSet(check.rs.prompts, targets, check.rs.sources)
+    summary = check.summary(low)
+    want = {name: (tokens == targets).float().mean().item() for name, tokens in (("fp16", ref), ("plan", got))}
+    assert summary["fp16"] == pytest.approx(want["fp16"]) and summary["plan"] == pytest.approx(want["plan"])
+    assert 0 < summary["fp16"] < 1 and 0 < summary["plan"] < 1
+    assert summary["vs_fp16_points"] == pytest.approx(100 * (want["plan"] - want["fp16"]))
+    assert (summary["prompts"], summary["seq_len"], summary["cue"], summary["span"]) == (3, 96, 4, 8)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from mlaquant import cli
 from mlaquant.calib.calibrate import CalibrateConfig, calibrate
 from mlaquant.calib.sweep import SweepRun, load_sweep_config, sweep
+from mlaquant.config import ConfigError
 from mlaquant.evaluation.eval import Evaluator
 from mlaquant.evaluation.report import dominates, pareto_front, target_verdict, write_report
 from mlaquant.evaluation.samples import token_samples
@@ -399,3 +400,38 @@ def test_every_row_carries_position_buckets_and_the_report_shows_them(setup, tmp
     assert "## Δppl by position" not in one["report.md"].read_text()
     wide, narrow = (matplotlib.image.imread(p["sweep.png"]) for p in (three, one))
     assert wide.shape[1] > 1.4 * narrow.shape[1]
+
+
+def test_with_recall_on_our_rows_carry_the_share_and_the_report_a_recall_table(setup, tmp_path):
+    """A SweepRun given a recall check adds each plan's share (what `Recall.share` gives) to its row and FP16's to
+    the reference; report.md then lists every row with its gap to FP16 in points. Off (the default), neither."""
+    import copy
+
+    from mlaquant.evaluation.recall import Recall
+
+    model, cfg = setup["model"], setup["cfg"]
+    assert cfg.recall_prompts == 0 and "recall" not in setup["report"]["reference"]
+    assert "## Exact recall" not in (setup["root"] / "out" / "report.md").read_text()
+    windows = token_samples(model.tokenizer, setup["root"] / "test.txt", 2, 32, 7, model.cfg.eos_token_id)
+    recall = Recall(model, windows, cue=2, span=4, seed=7)
+    run = SweepRun(model, setup["samples"], cfg, {}, recall)
+    int4 = Plan.uniform("int4", len(model.layers)).bind(model.cfg)
+    row = run.measure_plan(int4)
+    assert row["recall"] == recall.share(int4) and run.reference()["recall"] == recall.fp16
+    report = copy.deepcopy(setup["report"])
+    report["settings"] |= {"recall_prompts": 2, "recall_seq_len": 32, "recall_cue": 2, "recall_span": 4}
+    report["reference"]["recall"] = 0.5
+    measured = [r for r in report["rows"] if r["status"] == "ok" and r["kind"] != "peer"]
+    for i, r in enumerate(measured):
+        r["recall"] = i / len(measured)
+    md = write_report(report, tmp_path / "r")["report.md"].read_text()
+    assert "## Exact recall" in md and "FP16 latent cache: 50.0%." in md
+    first, last = measured[0], measured[-1]
+    assert f"| {first['label']} | {first['bits_per_value']:.2f} | 0.0% | -50.0 |" in md
+    want = (len(measured) - 1) / len(measured)
+    assert f"| {last['label']} | {last['bits_per_value']:.2f} | {want:.1%} | {100 * (want - 0.5):+.1f} |" in md
+
+
+def test_a_recall_window_too_short_is_a_config_error():
+    with pytest.raises(ConfigError, match="recall_seq_len ≥ 2 × \\(cue \\+ span\\) \\+ cue = 176"):
+        load_sweep_config(None, {**CFG, "recall_prompts": 2, "recall_seq_len": 100})

@@ -60,3 +60,28 @@ def recall_share(model: LatentModel, rs: RecallSet, plan: str | Plan = "fp16", b
         hits += int((got == want).sum())
         total += want.numel()
     return hits / total
+
+
+class Recall:
+    """One recall set (`recall_set` of `windows` [n, T]) scored for FP16 once and for each plan asked: the check the
+    calibration report and the sweep carry. `summary(plan)`: {prompts, seq_len, cue, span, fp16, plan,
+    vs_fp16_points} (shares 0 … 1, the gap in percentage points)."""
+
+    def __init__(self, model: LatentModel, windows: torch.Tensor, cue: int, span: int, seed: int) -> None:
+        self.model, self.rs, self.cue, self.span = model, recall_set(windows, cue, span, seed), cue, span
+        self._fp16: float | None = None
+
+    @property
+    def fp16(self) -> float:
+        if self._fp16 is None:
+            self._fp16 = recall_share(self.model, self.rs, "fp16")
+        return self._fp16
+
+    def share(self, plan: Plan) -> float:
+        return recall_share(self.model, self.rs, plan)
+
+    def summary(self, plan: Plan) -> dict:
+        share = self.share(plan)
+        n, length = self.rs.prompts.shape
+        return {"prompts": int(n), "seq_len": int(length), "cue": self.cue, "span": self.span,
+                "fp16": self.fp16, "plan": share, "vs_fp16_points": 100 * (share - self.fp16)}

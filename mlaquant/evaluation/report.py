@@ -262,6 +262,29 @@ def _position_table(report: dict) -> list[str]:
     return lines
 
 
+def _recall_table(report: dict) -> list[str]:
+    """Exact recall per measured row that carries it, against the FP16 reference (empty when the check is off)."""
+    rows = [r for r in report["rows"] if is_measured(r) and "recall" in r]
+    fp16, s = report["reference"].get("recall"), report["settings"]
+    if not rows or fp16 is None:
+        return []
+    lines = [
+        "## Exact recall",
+        "",
+        f"{s['recall_prompts']} windows of the test text of {s['recall_seq_len']} tokens, each ending in the first "
+        f"{s['recall_cue']} tokens of an earlier span; the share of the next {s['recall_span']} greedy tokens "
+        f"(DecodeSession) that reproduce it. FP16 latent cache: {fp16:.1%}.",
+        "",
+        "| configuration | bits/value | recall | vs FP16 (points) |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['label']} | {r['bits_per_value']:.2f} | {r['recall']:.1%} | {100 * (r['recall'] - fp16):+.1f} |"
+        for r in rows
+    ]
+    return lines + [""]
+
+
 def markdown(report: dict) -> str:
     s, m, tok, dims = report["settings"], report["model"], report["tokens"], report["model"]["dims"]
     T = tok["seq_len"]
@@ -300,6 +323,7 @@ def markdown(report: dict) -> str:
             if positions
             else []
         ),
+        *_recall_table(report),
         "## Findings",
         "",
         report["findings"],
