@@ -9,10 +9,11 @@ Pipeline (three disjoint splits; numbers reported on the one that chose nothing)
              Hadamard-rotated or not) with the lowest row error on the calibration rows.
 3. search    every layer starts at its cheapest candidate; while the summed single-layer losses
              exceed `headroom × budget`, upgrade the layer/candidate with the best loss saved per
-             byte added.
+             byte added (with `max_bits`, none past the cap; a cap under the cheapest plan is an error).
 4. verify    the whole plan on validation; while over `headroom × budget`, fall back layer by layer —
              the layer with the largest single-layer loss moves to its next wider candidate that
-             measured a lower loss alone (e.g. INT4 → INT8 → FP16) — and record why.
+             measured a lower loss alone (e.g. INT4 → INT8 → FP16) — and record why; with `max_bits`
+             only within the cap, and an error naming the layer when nothing within it fits.
    narrow    the search's sum of single-layer losses is only an estimate: while measured loss is
              left under the target, try cheaper candidates (most bytes saved per single-layer loss
              added first; never a layer that fell back), each verified end to end on validation,
@@ -62,7 +63,7 @@ from mlaquant.calib.candidates import fitting_candidates
 from mlaquant.calib.checks import held_out
 from mlaquant.calib.measure import calibration_batch_size, measure, observe_variants, progress_total
 from mlaquant.calib.report import build_report, json_summary, summary_table
-from mlaquant.calib.search import fall_back, int8_projections, narrow, search
+from mlaquant.calib.search import byte_cap, check_cap, fall_back, int8_projections, narrow, search
 from mlaquant.config import load_config, to_dict
 from mlaquant.device import add_device_arguments, place
 from mlaquant.device import from_args as device_from_args
@@ -109,9 +110,11 @@ def calibrate(
     total = progress_total(model, cfg, cal, val, second)
     with tqdm(total=total, desc="calibrate", disable=quiet, file=sys.stderr) as bar:
         variants = observe_variants(model, cal, cfg, bar)
+        cap = byte_cap(cfg.max_bits, len(variants), sum(model.cfg.latent_widths))
+        check_cap(variants, cfg.candidates, cap, cfg.max_bits)
         measured = measure(model, val, variants, cfg, bar, second)
-    pick = search(measured.table, cfg.headroom * cfg.budget)
-    verified = fall_back(model, measured, pick, cfg)
+    pick = search(measured.table, cfg.headroom * cfg.budget, cap)
+    verified = fall_back(model, measured, pick, cfg, cap)
     verified = narrow(model, measured, verified, cfg)
     verified = int8_projections(model, measured, verified, cfg)
     checks = held_out(model, cfg, sources, verified.plan)
@@ -133,6 +136,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=None, help="calibration samples (default 512)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 512)")
     p.add_argument("--budget", type=float, default=None, help="max relative perplexity increase (default 0.01)")
+    p.add_argument(
+        "--max-bits", type=float, default=None, help="cap on the plan's bits per cached value (config: max_bits)"
+    )
     p.add_argument("--seed", type=int, default=None)
     p.add_argument(
         "--int8-matmul",
@@ -161,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             "samples": args.samples,
             "seq_len": args.seq_len,
             "budget": args.budget,
+            "max_bits": args.max_bits,
             "seed": args.seed,
             "int8_matmul": args.int8_matmul,
             "batch_size": args.batch_size,

@@ -39,6 +39,10 @@ class CalibrateConfig:
     recall_cue: int = 16
     recall_span: int = 64
     budget: float = 0.01
+    # A cap on the plan's size: at most `max_bits` bits per cached value (every byte of codes and scales, all
+    # layers; null = no cap). The search and the fallbacks stay within it; a cap under the cheapest candidates,
+    # or one that leaves no plan within the budget, is an error naming the layer (`mlaquant.calib.search`).
+    max_bits: float | None = None
     headroom: float = 0.6
     seed: int = 0
     # samples per forward batch; None: from free GPU memory on CUDA (`calibration_batch_size`), 8 elsewhere
@@ -86,6 +90,9 @@ class CalibrateConfig:
                 f"calibrate: recall needs long_seq_len ≥ {need} for a cue of {self.recall_cue} and a span of "
                 f"{self.recall_span}, got {self.long_seq_len}"
             )
+        if self.max_bits is not None and not 0 < self.max_bits <= 16:
+            raise ConfigError(f"calibrate: max_bits must be in (0, 16] (bits per cached value) or null, got "
+                              f"{self.max_bits}")
         if self.batch_size is not None and self.batch_size <= 0:
             raise ConfigError(f"calibrate: batch_size must be > 0 or null (auto), got {self.batch_size}")
         if "fp16/fp16" not in self.candidates:

@@ -5,18 +5,25 @@ the whole plan and widens layer by layer (`wider`) while it is over `headroom ×
 candidates (`narrowing_moves`), each verified; `int8_projections` adds W8A8 projections where the budget allows
 (`add_int8_matmul`). `build_plan` turns one candidate per layer into a `Plan` with its tensors and guard bounds
 (`max_row_error`); `Verified` carries it with its checks and the moves recorded.
+
+With `max_bits` (a cap on bits per cached value, every byte of codes and scales counted) the plan never takes
+more than `byte_cap` bytes per token: `check_cap` refuses a cap under the cheapest candidates before any loss is
+measured, the search and the fallbacks make no move past it, and a cap that leaves no plan within the budget is
+a `CapError` naming the layer that costs the most and its best loss within the cap.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 
 from mlaquant.calib.calibrate_config import CalibrateConfig
 from mlaquant.calib.candidates import Choice
 from mlaquant.calib.measure import Checked, Measurements, Validation
+from mlaquant.errors import MLAQuantError
 from mlaquant.modeling.model import MLAModel
 from mlaquant.modeling.protocol import LatentModel
 from mlaquant.quant.codecs import LayerCodec, split_pair
@@ -25,14 +32,55 @@ from mlaquant.runtime.plan import LayerPlan, Plan
 log = logging.getLogger(__name__)
 
 
-def search(table: list[list[Choice]], target: float) -> list[int]:
+class CapError(MLAQuantError):
+    """A `max_bits` no plan of the candidates meets within the budget (the message names the layer)."""
+
+
+def byte_cap(max_bits: float | None, layers: int, width: int) -> int | None:
+    """Bytes per token (all `layers`, rows of `width` = d_c + d_r values) a plan of at most `max_bits` bits per
+    cached value may take; None without a cap."""
+    return None if max_bits is None else math.floor(max_bits * layers * width / 8 + 1e-9)
+
+
+def plan_bytes(table: list[list[Choice]], pick: list[int]) -> int:
+    """Bytes per token of the plan that takes candidate pick[i] in layer i."""
+    return sum(table[i][p].row_bytes for i, p in enumerate(pick))
+
+
+def best_within(table: list[list[Choice]], i: int, cap: int) -> Choice:
+    """Layer i's candidate of least single-layer loss (`Choice.worst`) that fits `cap` with every other layer at
+    its cheapest (rows sorted by bytes: index 0)."""
+    room = cap - sum(row[0].row_bytes for j, row in enumerate(table) if j != i)
+    return min((c for c in table[i] if c.row_bytes <= room), key=lambda c: c.worst)
+
+
+def check_cap(variants: list, candidates: tuple[str, ...], cap: int | None, max_bits: float | None) -> None:
+    """Before any loss is measured: raise `CapError` when the cheapest of `candidates` in every layer (bytes from
+    each layer's `LayerVariants`, band widths resolved) together take more than `cap` bytes per token."""
+    if cap is None:
+        return
+    cheapest = [min((v.codec(name, False, (False, False)).row_bytes, name) for name in candidates) for v in variants]
+    total = sum(b for b, _ in cheapest)
+    if total <= cap:
+        return
+    i = max(range(len(cheapest)), key=lambda j: cheapest[j][0])
+    raise CapError(
+        f"calibrate: max_bits {max_bits} ({cap} B per token) is below the cheapest plan of the candidates "
+        f"({total} B per token); layer {i}'s cheapest candidate is {cheapest[i][1]} at {cheapest[i][0]} B"
+    )
+
+
+def search(table: list[list[Choice]], target: float, cap: int | None = None) -> list[int]:
     """Index of the chosen candidate per layer: cheapest first, greedy upgrades by loss saved per byte (the
-    single-layer losses `Choice.worst` of the two validation domains)."""
+    single-layer losses `Choice.worst` of the two validation domains), none past `cap` bytes per token."""
     pick = [0] * len(table)
     while sum(table[i][p].worst for i, p in enumerate(pick)) > target:
         best, best_gain = None, 0.0
+        total = plan_bytes(table, pick)
         for i, p in enumerate(pick):
             for q in range(p + 1, len(table[i])):
+                if cap is not None and total - table[i][p].row_bytes + table[i][q].row_bytes > cap:
+                    continue
                 saved = table[i][p].worst - table[i][q].worst
                 gain = saved / max(1, table[i][q].row_bytes - table[i][p].row_bytes)
                 if saved > 0 and gain > best_gain:
@@ -89,19 +137,29 @@ def max_row_error(rows: torch.Tensor, codec: LayerCodec) -> float:
     return float(codec.relative_error(rows, "none").max())
 
 
-def fall_back(model: LatentModel, m: Measurements, pick: list[int], cfg: CalibrateConfig) -> Verified:
+def fall_back(
+    model: LatentModel, m: Measurements, pick: list[int], cfg: CalibrateConfig, cap: int | None = None
+) -> Verified:
     """Stage fallback: verify the searched `pick` by every validation check; while over `headroom × budget`,
-    the layer with the largest single-layer loss (`Choice.worst`) moves to its `wider` candidate, each move
-    recorded."""
+    the layer with the largest single-layer loss (`Choice.worst`) whose `wider` candidate fits `cap` bytes per
+    token moves there, each move recorded; `CapError` when no layer's does."""
     target = cfg.headroom * cfg.budget
     pick, fallbacks = list(pick), []
     plan = build_plan(model, m, pick, {}, cfg.budget)
     checked = m.validation.check(model, plan)
     while checked.loss > target:
-        movable = [i for i, p in enumerate(pick) if p + 1 < len(m.table[i])]
-        i = max(movable, key=lambda j: m.table[j][pick[j]].worst)
+        total = plan_bytes(m.table, pick)
+        moves = {}
+        for i, p in enumerate(pick):
+            room = None if cap is None else cap - total + m.table[i][p].row_bytes
+            q = wider(m.table[i], p, room) if p + 1 < len(m.table[i]) else None
+            if q is not None:
+                moves[i] = q
+        if not moves:
+            raise over_cap(m.table, pick, cap, cfg, checked)
+        i = max(moves, key=lambda j: m.table[j][pick[j]].worst)
         old = m.table[i][pick[i]]
-        pick[i] = wider(m.table[i], pick[i])
+        pick[i] = moves[i]
         new = m.table[i][pick[i]]
         fallbacks.append(
             {
@@ -118,11 +176,26 @@ def fall_back(model: LatentModel, m: Measurements, pick: list[int], cfg: Calibra
     return Verified(pick, fallbacks, {}, plan, checked)
 
 
-def wider(row: list[Choice], p: int) -> int:
+def wider(row: list[Choice], p: int, room: int | None = None) -> int | None:
     """The fallback from candidate p of a layer's row (sorted by bytes): the next wider candidate that
-    measured a lower single-layer loss, else the last (FP16) — never one that measured worse alone."""
+    measured a lower single-layer loss, else the last (FP16) — never one that measured worse alone; with
+    `room`, only candidates of at most `room` bytes (None when none is left)."""
     last = len(row) - 1
-    return next((q for q in range(p + 1, last) if row[q].worst < row[p].worst), last)
+    fits = [q for q in range(p + 1, last + 1) if room is None or row[q].row_bytes <= room]
+    return next((q for q in fits if q < last and row[q].worst < row[p].worst), last if last in fits else None)
+
+
+def over_cap(table: list[list[Choice]], pick: list[int], cap: int, cfg: CalibrateConfig, checked: Checked) -> CapError:
+    """The error of a verified plan over `headroom × budget` that no fallback within `cap` can widen: it names
+    the layer of the largest single-layer loss as picked and its best within the cap (`best_within`)."""
+    i = max(range(len(pick)), key=lambda j: table[j][pick[j]].worst)
+    now, best = table[i][pick[i]], best_within(table, i, cap)
+    return CapError(
+        f"calibrate: max_bits {cfg.max_bits} ({cap} B per token) leaves no plan within the budget: "
+        f"{checked.describe()} > {cfg.headroom * cfg.budget:.4%} (headroom × budget) and no wider candidate fits; "
+        f"layer {i} has the largest loss alone, {now.worst:+.4%} ({now.name}, {now.row_bytes} B), its best within "
+        f"the cap {best.worst:+.4%} ({best.name}, {best.row_bytes} B, every other layer at its cheapest)"
+    )
 
 
 def narrow(model: LatentModel, m: Measurements, v: Verified, cfg: CalibrateConfig) -> Verified:

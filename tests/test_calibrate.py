@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -291,3 +292,50 @@ def test_a_recall_window_too_short_for_its_span_is_one_line():
         CalibrateConfig(long_seq_len=128, recall_prompts=4)
     with pytest.raises(ConfigError, match="recall_prompts must be ≥ 0"):
         CalibrateConfig(recall_prompts=-1)
+
+
+def test_a_cap_on_bits_bounds_the_search_and_the_fallback_to_its_bytes():
+    """`max_bits`: the search makes no upgrade past the cap (the uncapped one does), and the fallback from a
+    candidate only widens to one that fits the room the cap leaves (None when nothing does)."""
+    from mlaquant.calib.candidates import Choice
+    from mlaquant.calib.search import byte_cap, search, wider
+
+    c = lambda name, b, loss: Choice(name, False, False, False, b, loss)  # noqa: E731
+    table = [[c("a", 10, 0.01), c("b", 20, 0.001)], [c("c", 10, 0.005), c("d", 30, 0.0)]]
+    assert search(table, target=0.0005) == [1, 1]  # 50 B
+    assert search(table, target=0.0005, cap=30) == [1, 0]  # d would take 40 B
+    assert search(table, target=0.0005, cap=20) == [0, 0]
+    row = [c("x", 10, 0.01), c("y", 20, 0.02), c("z", 25, 0.005), c("fp16/fp16", 40, 0.0)]
+    got = [wider(row, 0), wider(row, 0, 40), wider(row, 0, 24), wider(row, 2), wider(row, 2, 39)]
+    assert got == [2, 2, None, 3, None]
+    assert byte_cap(2.3, 4, 160) == 184 and byte_cap(None, 4, 160) is None
+
+
+def test_a_cap_below_the_cheapest_candidates_is_one_line_before_any_loss_is_measured(bundled):
+    cfg = CalibrateConfig(**SMALL, candidates=("int4-row/int4-row", "fp16/fp16"), max_bits=4.0)
+    with pytest.raises(MLAQuantError) as e:  # 4 layers x 84 B = 336 B > 4.0 bits x 4 x 160 / 8 = 320 B
+        calibrate(bundled, cfg, quiet=True)
+    assert str(e.value) == (
+        "calibrate: max_bits 4.0 (320 B per token) is below the cheapest plan of the candidates (336 B per token); "
+        "layer 0's cheapest candidate is int4-row/int4-row at 84 B"
+    )
+    with pytest.raises(ConfigError, match="max_bits must be in"):
+        CalibrateConfig(max_bits=0)
+
+
+def test_a_cap_that_leaves_no_plan_within_the_budget_names_the_layer_and_its_best_loss(bundled, plan_1pct):
+    """A budget the 1 % plan's bytes cannot meet, capped at those bytes: the fallback has nowhere to go, and the
+    error names the layer of the largest loss with its best loss alone within the cap; a cap that does not bind
+    (16 bits) changes nothing (the same plan as without one)."""
+    plan = plan_1pct[0]
+    bits = 8 * plan.bytes_per_token() / (len(plan.layers) * sum(bundled.cfg.latent_widths))
+    loose, _ = calibrate(bundled, CalibrateConfig(**SMALL, budget=0.01, max_bits=16), quiet=True)
+    assert [lp.codec_name for lp in loose.layers] == [lp.codec_name for lp in plan.layers]
+    with pytest.raises(MLAQuantError) as e:
+        calibrate(bundled, CalibrateConfig(**SMALL, budget=0.0001, max_bits=bits), quiet=True)
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"calibrate: max_bits {bits} ({plan.bytes_per_token()} B per token) leaves no plan")
+    loss = r"[+-]\d\.\d{4}% \(\S+, \d+ B"
+    assert re.search(rf"layer \d has the largest loss alone, {loss}\), its best within the cap {loss}, every other "
+                     r"layer at its cheapest\)$", message)
