@@ -4,9 +4,10 @@
 
 Every row is one configuration in every layer (no search): c_kv on its principal axes (`principal_rotation`, the
 3-bit tier's rotation) in channel bands by reverse water-filling at a rate of code bits per c_kv value
-(`allocate_bands`), k_pe Hadamard-rotated after RoPE; the loss on the validation and the test split
-(teacher-forced, every token through the fake-quantized cache) and the bits per cached value with every byte
-counted (codes and any per-row scale; static parameters live in the plan, not in the rows). The codes:
+(`allocate_bands`), k_pe Hadamard-rotated after RoPE; the loss on the validation and the test split and on the
+third-party ("shifted") test text of `mlaquant.calib.data.shift_source` (teacher-forced, every token through the
+fake-quantized cache) and the bits per cached value with every byte counted (codes and any per-row scale; static
+parameters live in the plan, not in the rows). The codes:
 
     row-int      the band codec as shipped: per row and band one FP16 scale, symmetric integer codes
                  q ∈ [-2^(b-1), 2^(b-1) - 1] (`mlaquant.quant.codecs.BandCodec`)
@@ -20,6 +21,11 @@ k_pe: the shipped int4-row (18 B, Hadamard-rotated after RoPE), the same code fa
 band (also after RoPE), or `pre-<codes>` before RoPE: the rows read back un-rotated to each position's angle
 (RoPE⁻¹, per cached position) and coded per channel there (static scales; bits per channel block by reverse
 water-filling on the pre-RoPE variances at the given rate, channels sorted by variance), RoPE applied again on read.
+
+Tokens kept at FP16 (issue 53, item 4): `sinks` S — the first S rows of every sequence stay FP16 in every layer;
+`window` R — each query reads its most recent R rows at FP16 (the plan's residual window, `Evaluator.evaluate`'s
+`window`; what `DecodeSession` serves with '+w<R>'). Their bytes count as S·16 or R·16 bits per value over
+`AMORTISED_OVER` tokens on top of the codes (the issue's accounting), although these losses are at --seq-len.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from tqdm import tqdm
 
 from mlaquant import load_model
 from mlaquant.atomic import write_json
-from mlaquant.calib.data import split_path
+from mlaquant.calib.data import shift_description, shift_source, split_path
 from mlaquant.calib.observers import observe
 from mlaquant.calib.transform import allocate_bands, principal_rotation
 from mlaquant.evaluation.eval import Evaluator
@@ -61,7 +67,19 @@ ROWS = [  # label, c_kv rate (code bits per value), c_kv codes, k_pe (codes, bit
     ("static-int 2.0 / pre-RoPE static-int k_pe 3", 2.0, "static-int", ("pre-static-int", 3.0)),
     ("static-int 1.5 / pre-RoPE static-int k_pe 3", 1.5, "static-int", ("pre-static-int", 3.0)),
     ("static-int 1.5 / int4-row", 1.5, "static-int", "int4-row"),
+    ("row-int 2.0 / int4-row + 4 sinks", 2.0, "row-int", "int4-row", {"sinks": 4}),
+    ("row-int 1.5 / int4-row + 4 sinks", 1.5, "row-int", "int4-row", {"sinks": 4}),
+    ("row-int 1.5 / int4-row + window 16", 1.5, "row-int", "int4-row", {"window": 16}),
+    ("row-int 1.5 / int4-row + window 32", 1.5, "row-int", "int4-row", {"window": 32}),
+    ("row-int 1.0 / int4-row + window 32", 1.0, "row-int", "int4-row", {"window": 32}),
+    ("row-int 1.5 / int4-row + 4 sinks + window 16", 1.5, "row-int", "int4-row", {"sinks": 4, "window": 16}),
+    ("row-int 1.0 / int4-row", 1.0, "row-int", "int4-row"),
+    ("row-int 1.0 / int4-row + window 16", 1.0, "row-int", "int4-row", {"window": 16}),
+    ("row-int 1.0 / int4-row + window 64", 1.0, "row-int", "int4-row", {"window": 64}),
+    ("row-int 1.0 / band-3x32 + window 32", 1.0, "row-int", "band-3x32", {"window": 32}),
+    ("row-int 1.0 / band-2x32 + window 32", 1.0, "row-int", "band-2x32", {"window": 32}),
 ]
+AMORTISED_OVER = 2048  # tokens: FP16 sink and window rows count (16 bits per value) over a sequence this long
 
 
 def lloyd_max(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -166,14 +184,18 @@ class LayerQuantizer:
     """`fake_quant` for one layer's rotated rows [..., d_c + d_r]: c_kv by `ckv`, k_pe by `kpe` (a BandQuantizer or a
     LayerCodec's k_pe part, through the codec's own fake_quant)."""
 
-    def __init__(self, ckv: BandQuantizer, kpe, d_c: int) -> None:
-        self.ckv, self.kpe, self.d_c = ckv, kpe, d_c
+    def __init__(self, ckv: BandQuantizer, kpe, d_c: int, sinks: int = 0) -> None:
+        self.ckv, self.kpe, self.d_c, self.sinks = ckv, kpe, d_c, sinks
 
     def fake_quant(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [B, T, d_c + d_r] → the rows as the cache returns them (the first `sinks` positions FP16)."""
         c, k = rows[..., : self.d_c], rows[..., self.d_c :]
         c = self.ckv(c) if isinstance(self.ckv, BandQuantizer) else self.ckv.fake_quant(rows)[..., : self.d_c]
         k = self.kpe(k) if callable(self.kpe) else self.kpe.fake_quant(rows)[..., self.d_c :]
-        return torch.cat((c, k), dim=-1)
+        out = torch.cat((c, k), dim=-1)
+        if self.sinks:
+            out[:, : self.sinks] = rows[:, : self.sinks].half().to(out.dtype)
+        return out
 
 
 def layer_setups(model, stats):
@@ -212,8 +234,9 @@ def prerope_rows(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return [torch.cat(r) for r in rows]
 
 
-def quantizers(model, setups, rate: float, codes: str, kpe, plan, pre) -> tuple[list, float]:
-    """Per layer its LayerQuantizer for one ablation row, and the row's bits per cached value."""
+def quantizers(model, setups, rate: float, codes: str, kpe, plan, pre, sinks: int = 0) -> tuple[list, float]:
+    """Per layer its LayerQuantizer for one ablation row (the first `sinks` rows FP16), and the row's bits per
+    cached value (codes and scales; sinks and windows not counted here)."""
     d_c, d_r = model.cfg.latent_widths
     out, total = [], 0
     rotations = plan.rotations()
@@ -237,7 +260,7 @@ def quantizers(model, setups, rate: float, codes: str, kpe, plan, pre) -> tuple[
         else:
             kq = BandQuantizer(((kpe[1], d_r),), kpe[0], k)
             kpe_bytes = kq.row_bytes
-        out.append(LayerQuantizer(ckv, kq, d_c))
+        out.append(LayerQuantizer(ckv, kq, d_c, sinks))
         total += ckv_bytes + kpe_bytes
     return out, 8 * total / (len(setups) * (d_c + d_r))
 
@@ -245,7 +268,7 @@ def quantizers(model, setups, rate: float, codes: str, kpe, plan, pre) -> tuple[
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None)
-    p.add_argument("--samples", type=int, default=32, help="validation and test samples")
+    p.add_argument("--samples", type=int, default=32, help="validation, test and shifted samples")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--out", default=None)
     p.add_argument("--rows", default=None, help="only the rows whose label contains one of these (comma-separated)")
@@ -256,20 +279,27 @@ def main() -> None:
     plan, setups = layer_setups(model, observe(model, cal))
     pre = prerope_rows(model, cal[:16])
     rotated = plan.apply(model)
-    splits = {name: Evaluator(rotated, token_samples(tok, split_path(name), args.samples, args.seq_len, seed, eos))
-              for name, seed in (("validation", 1), ("test", 2))}
+    sources = (("validation", split_path("validation"), 1), ("test", split_path("test"), 2),
+               ("shifted", shift_source("test"), 3))
+    splits = {name: Evaluator(rotated, token_samples(tok, source, args.samples, args.seq_len, seed, eos))
+              for name, source, seed in sources}
     results = []
     rows = [r for r in ROWS if not args.rows or any(s in r[0] for s in args.rows.split(","))]
-    for label, rate, codes, kpe in tqdm(rows, desc="ablation"):
-        qs, bits = quantizers(model, setups, rate, codes, kpe, plan, pre)
-        losses = {k: ev.evaluate(qs, loss_only=True).loss for k, ev in splits.items()}
+    for label, rate, codes, kpe, *extra in tqdm(rows, desc="ablation"):
+        kept = extra[0] if extra else {}
+        sinks, window = kept.get("sinks", 0), kept.get("window", 0)
+        qs, bits = quantizers(model, setups, rate, codes, kpe, plan, pre, sinks)
+        bits += 16 * (sinks + window) / AMORTISED_OVER
+        losses = {k: ev.evaluate(qs, loss_only=True, window=window).loss for k, ev in splits.items()}
         results.append({"row": label, "bits_per_value": bits, **losses})
     print(f"{args.samples} x {args.seq_len} tokens per split; rotations, allocations, scales and levels from 64 "
-          "calibration samples; CPU capability " + torch.backends.cpu.get_cpu_capability())
-    print("| configuration | bits/value | validation | test |")
-    print("|---|---|---|---|")
+          f"calibration samples; shifted: {shift_description()}; CPU capability "
+          + torch.backends.cpu.get_cpu_capability())
+    print("| configuration | bits/value | validation | test | shifted |")
+    print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['row']} | {r['bits_per_value']:.3f} | {r['validation']:+.3%} | {r['test']:+.3%} |")
+        print(f"| {r['row']} | {r['bits_per_value']:.3f} | {r['validation']:+.3%} | {r['test']:+.3%} "
+              f"| {r['shifted']:+.3%} |")
     if args.out:
         write_json(args.out, results, indent=2)
 

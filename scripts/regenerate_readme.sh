@@ -4,8 +4,9 @@
 #
 #     bash scripts/regenerate_readme.sh [OUT [STEP ...]]     (OUT default runs/readme; STEP default: all, in order)
 #
-# Steps: main_job three_bit two_bit sweep engines engines_test levels transform ablation_2bit recall engine_fp8 export_vllm
-#        int8_matmul rope_rotation guard guard_clip_all fast_path bf16 generate hf_cache lm_eval
+# Steps: main_job three_bit two_bit sweep engines engines_test levels transform ablation_2bit ablation_2bit_2048
+#        recall two_bit_cap engine_fp8 export_vllm int8_matmul rope_rotation guard guard_clip_all fast_path bf16
+#        generate hf_cache lm_eval (two_bit_cap: the 2-bit config under --max-bits 2.3, which must fail in one line)
 #
 # The decode-speed benchmarks (`mlaquant bench decode ...`) are not here: they use random weights, not the
 # bundled model, and want an idle machine of their own.
@@ -13,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/readme}
 shift || true
-STEPS=${*:-main_job three_bit two_bit sweep engines engines_test levels transform ablation_2bit recall engine_fp8 export_vllm int8_matmul rope_rotation guard guard_clip_all fast_path bf16 generate hf_cache lm_eval}
+STEPS=${*:-main_job three_bit two_bit sweep engines engines_test levels transform ablation_2bit ablation_2bit_2048 recall two_bit_cap engine_fp8 export_vllm int8_matmul rope_rotation guard guard_clip_all fast_path bf16 generate hf_cache lm_eval}
 mkdir -p "$OUT"
 run() {  # run NAME CMD...: stdout+stderr to OUT/NAME.txt, wall time appended; skipped unless NAME is in STEPS
     local name=$1; shift
@@ -32,7 +33,10 @@ run engines_test mlaquant engines --plan plans/default --data test --codecs int4
 run levels python scripts/measure_levels.py
 run transform python scripts/measure_transform.py --out "$OUT/transform.json"
 run ablation_2bit python scripts/measure_2bit.py --out "$OUT/ablation-2bit.json"
+run ablation_2bit_2048 python scripts/measure_2bit.py --seq-len 2048 --samples 8 \
+    --rows "row-int 2.0 / int4-row,row-int 1.5 / int4-row,row-int 1.0 / int4-row" --out "$OUT/ablation-2bit-2048.json"
 run recall mlaquant recall --plans plans/default,plans/3bit,plans/2bit
+run two_bit_cap bash -c '! mlaquant calibrate --config configs/calibrate-2bit.yaml --max-bits 2.3 --out "$0/plan-2bit-cap"' "$OUT"
 run engine_fp8 mlaquant calibrate --config configs/calibrate-engine-fp8.yaml --out plans/engine-fp8
 run export_vllm mlaquant export --plan plans/engine-fp8 --engine vllm --out "$OUT/served-vllm"
 run int8_matmul mlaquant calibrate --int8-matmul --out plans/int8mm
