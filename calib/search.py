@@ -9,7 +9,7 @@ candidates (`narrowing_moves`), each verified; `int8_projections` adds W8A8 proj
 With `max_bits` (a cap on bits per cached value, every byte of codes and scales counted) the plan never takes
 more than `byte_cap` bytes per token: `check_cap` refuses a cap under the cheapest candidates before any loss is
 measured, the search and the fallbacks make no move past it, and a cap that leaves no plan within the budget is
-a `CapError` naming the layer that costs the most and its best loss within the cap.
+a `CapError` naming the layer of the largest loss alone and its best loss within the cap.
 """
 
 from __future__ import annotations
