@@ -3,7 +3,8 @@
 Pipeline (three disjoint splits; numbers reported on the one that chose nothing):
 
 1. observe   calibration split, `samples` × `seq_len` tokens → per-layer, per-channel ranges of the
-             latent rows (min/max and the `percentile` quantile) and a row subsample.
+             latent rows (min/max and the `percentile` quantile) and a row subsample; with
+             `allocation: fisher`, the loss gradients on the rows (`mlaquant.calib.sensitivity`).
 2. measure   validation split: for every layer and candidate codec the loss with only that layer
              quantized, in the variant (clipped to the calibrated ranges or not; c_kv and k_pe each
              Hadamard-rotated or not) with the lowest row error on the calibration rows.

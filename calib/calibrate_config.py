@@ -56,6 +56,10 @@ class CalibrateConfig:
     # channels among band_bits
     band_block: int = 16
     band_bits: tuple = (0, 2, 3, 4, 8)
+    # what those bits follow: 'variance' (reverse water-filling on the rotated channels' variances, least row error)
+    # or 'fisher' (on the variances weighted by each channel's loss sensitivity, `mlaquant.calib.sensitivity`;
+    # needs the model loaded whole)
+    allocation: str = "variance"
     candidates: tuple = (
         "int4-row/int4-row",
         "int4-row/int4-row-asym",
@@ -95,6 +99,11 @@ class CalibrateConfig:
                               f"{self.max_bits}")
         if self.batch_size is not None and self.batch_size <= 0:
             raise ConfigError(f"calibrate: batch_size must be > 0 or null (auto), got {self.batch_size}")
+        if self.allocation not in ("variance", "fisher"):
+            raise ConfigError(f"calibrate: allocation must be 'variance' or 'fisher', got {self.allocation!r}")
+        if self.allocation == "fisher" and not any(c.startswith("pca-") for c in self.candidates):
+            raise ConfigError("calibrate: allocation 'fisher' allocates the bits of 'pca-<rate>' candidates; "
+                              "the candidates have none")
         if "fp16/fp16" not in self.candidates:
             raise ConfigError("calibrate: candidates must include 'fp16/fp16' (the fallback of last resort)")
 

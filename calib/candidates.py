@@ -47,11 +47,16 @@ class LayerVariants:
 
     Variants are keyed (c_kv rotation, rotate k_pe): c_kv False (plain), True (Hadamard) or "pca" (its
     principal axes, `mlaquant.calib.transform`, for 'pca-<rate>' candidates, with `self.pca` and the rotated
-    second moments `self.pca_moments`); a Hadamard part rotates only if its width is a power of two.
+    second moments `self.pca_moments` the bands are allocated on; given the layer's c_kv Fisher matrix `fisher`
+    [d_c, d_c] (`allocation: fisher`), the axes reordered and the moments weighted by the loss,
+    `transform.loss_weighted_axes`); a Hadamard part rotates only if its width is a power of two.
     `widths`: the model's latent widths (d_c, d_r).
     """
 
-    def __init__(self, stats: LatentStats, widths: tuple[int, int], cfg: CalibrateConfig, seed: int) -> None:
+    def __init__(
+        self, stats: LatentStats, widths: tuple[int, int], cfg: CalibrateConfig, seed: int,
+        fisher: torch.Tensor | None = None,
+    ) -> None:
         plain = stats.sample()
         d_c, d_r = widths
         self.d_c, self.d_r = d_c, d_r
@@ -63,6 +68,8 @@ class LayerVariants:
         c_rotations = [False] + ([True] if self.signs is not None else [])
         if any(transform.is_transform_candidate(split_pair(c)[0]) for c in cfg.candidates):
             self.pca, self.pca_moments = transform.principal_rotation(plain[:, :d_c])
+            if fisher is not None:
+                self.pca, self.pca_moments = transform.loss_weighted_axes(self.pca, self.pca_moments, fisher)
             c_rotations.append("pca")
         self.band_block, self.band_bits = cfg.band_block, tuple(cfg.band_bits)
         self.rows = {}
@@ -98,8 +105,13 @@ class LayerVariants:
         return LayerCodec.from_names(ckv, kpe, self.d_c, self.d_r, lo, hi)
 
 
-def layer_variants(model: LatentModel, stats: list[LatentStats], cfg: CalibrateConfig) -> list[LayerVariants]:
-    return [LayerVariants(s, model.cfg.latent_widths, cfg, cfg.seed + i) for i, s in enumerate(stats)]
+def layer_variants(
+    model: LatentModel, stats: list[LatentStats], cfg: CalibrateConfig, fisher: list[torch.Tensor] | None = None
+) -> list[LayerVariants]:
+    """Every layer's `LayerVariants` (layer i's Fisher matrix `fisher[i]` when given)."""
+    fisher = fisher or [None] * len(stats)
+    widths = model.cfg.latent_widths
+    return [LayerVariants(s, widths, cfg, cfg.seed + i, f) for i, (s, f) in enumerate(zip(stats, fisher))]
 
 
 PROXY_ROWS = 16384

@@ -1,7 +1,8 @@
 """Stages observe and measure, and the validation checks that every later stage asks.
 
 observe (`observe_variants`): the calibration tokens' per-layer latent ranges and row samples
-(`mlaquant.calib.observers`), as `LayerVariants`. measure (`measure`): the FP16 references on the validation split
+(`mlaquant.calib.observers`) and, with `allocation: fisher`, their loss gradients (`mlaquant.calib.sensitivity`), as
+`LayerVariants`. measure (`measure`): the FP16 references on the validation split
 (and the second domain), then per layer and candidate the single-layer loss (`measure_layers`) and, with
 `int8_matmul`, per layer the W8A8 projections' (`int8_matmul_costs`); `Measurements` holds what they found.
 `Validation.check` runs a whole plan through every validation check (`verify`), its result a `Checked`. The batch
@@ -18,6 +19,7 @@ import torch
 from mlaquant.calib.calibrate_config import CalibrateConfig
 from mlaquant.calib.candidates import Choice, LayerVariants, best_variant, layer_variants
 from mlaquant.calib.observers import observe
+from mlaquant.calib.sensitivity import fisher_batches, latent_fisher
 from mlaquant.device import auto_batch_size
 from mlaquant.evaluation.eval import EvalResult, Evaluator, sample_bytes
 from mlaquant.modeling.int8_proj import with_int8_projections
@@ -43,11 +45,14 @@ def progress_total(
     val: torch.Tensor,
     second: torch.Tensor | None,
 ) -> int:
-    """Progress-bar steps of observe + measure: calibration, validation and second-domain batches, one per
-    measured layer candidate (and per layer's INT8 projections with `int8_matmul`)."""
+    """Progress-bar steps of observe + measure: calibration batches (twice with `allocation: fisher`: the
+    gradients), validation and second-domain batches, one per measured layer candidate (and per layer's INT8
+    projections with `int8_matmul`)."""
     batches = lambda x, size: -(-x.shape[0] // size)
     int_candidates = sum(1 for c in cfg.candidates if c != "fp16/fp16")
     extra = 0 if second is None else batches(second, long_batch(model, cfg, second.shape[1]))
+    if cfg.allocation == "fisher":
+        extra += fisher_batches(cal.shape[0], cfg.batch_size)
     return batches(cal, cfg.batch_size) + batches(val, cfg.batch_size) + extra + len(model.layers) * (
         int_candidates + cfg.int8_matmul
     )
@@ -57,10 +62,14 @@ def observe_variants(
     model: LatentModel, cal: torch.Tensor, cfg: CalibrateConfig, progress
 ) -> list[LayerVariants]:
     """Stage observe: per-layer latent ranges and row samples of the calibration tokens [n, seq_len] int64,
-    plain and rotated."""
+    plain and rotated; with `allocation: fisher`, each layer's sensitivity too (`latent_fisher`)."""
     progress.set_postfix_str("observing ranges")
     stats = observe(model, cal, cfg.batch_size, progress=progress)
-    return layer_variants(model, stats, cfg)
+    fisher = None
+    if cfg.allocation == "fisher":
+        progress.set_postfix_str("loss gradients")
+        fisher = latent_fisher(model, cal, cfg.batch_size, progress)
+    return layer_variants(model, stats, cfg, fisher)
 
 
 def measure(

@@ -9,6 +9,11 @@ water-filling). `allocate_bands` does that greedily on blocks of `block` channel
 bit widths (`mlaquant.quant.band_codecs.BAND_BITS`): each step gives the next width to the block whose squared
 error falls most per bit spent, σ_b²·2^(-2b) for b bits (σ_b² for 0), while the budget lasts.
 
+With `allocation: fisher` the bits follow the loss instead of the row error (`loss_weighted_axes`): channel i of
+the rotated rows costs about ½·F_ii·E[e_i²] of loss (F the layer's Fisher matrix in the rotated basis,
+`mlaquant.calib.sensitivity`), and E[e_i²] ∝ σ_i²·2^(-2b_i), so the water-filling runs on σ_i²·F_ii, the axes
+reordered by it (a permutation keeps R orthogonal; the bands are contiguous in the new order).
+
 Candidate names: `pca-<rate>` for the c_kv part ('pca-2.5/int4-row'), rate = code bits per c_kv value
 (scales not counted: the plan's bytes count them); a layer resolves it to the band codec of its own
 variances (`band_spec`).
@@ -35,6 +40,18 @@ def principal_rotation(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     moments, axes = torch.linalg.eigh(c.T @ c / c.shape[0])
     order = moments.argsort(descending=True)
     return axes[:, order].float(), moments[order].clamp_min(0).float()
+
+
+def loss_weighted_axes(
+    axes: torch.Tensor, moments: torch.Tensor, fisher: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Principal `axes` [d_c, d_c] (columns) with their second `moments` [d_c] and the layer's Fisher matrix of
+    c_kv [d_c, d_c] (`latent_fisher`) → (the axes reordered by σ_i²·F_ii, largest first, float32; those weights
+    [d_c] descending): what `allocate_bands` then spends the bits on (module docstring)."""
+    a = axes.double()
+    weights = moments.double() * ((a.T @ fisher.double()) * a.T).sum(1)  # σ_i² · (Rᵀ F R)_ii
+    order = weights.argsort(descending=True)
+    return axes[:, order], weights[order].clamp_min(0).float()
 
 
 def allocate_bands(variances: torch.Tensor, rate: float, block: int = 16,

@@ -538,6 +538,29 @@ class MLAModel(nn.Module):
         re-runs only the layers after the one it perturbs); `layer_inputs`, if a list, receives every
         layer's input hidden state.
         """
+        # by the class, not self: StreamedModel runs this on a one-layer view (`stream._View`) that is no MLAModel
+        return MLAModel._logits(self, input_ids, latent_rows, start_layer, hidden, layer_inputs, window)
+
+    def latent_gradients(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """How the loss moves with the cache: per layer ∂ℓ/∂rows [B, T, d_c + d_r] float32 for input_ids [B, T],
+        ℓ the summed next-token cross-entropy of the batch and rows each layer's latent as `latent` returns it; the
+        total derivative (through the later layers' latents too), the weights given none."""
+        nudges: list[torch.Tensor] = []  # zeros added to each layer's rows: the total derivative, later layers' too
+
+        def track(i: int, latent: torch.Tensor) -> torch.Tensor:
+            nudges.append(torch.zeros_like(latent, requires_grad=True))
+            return latent + nudges[-1]
+
+        ids = input_ids.to(self.device)
+        with torch.enable_grad():
+            logits = self._logits(ids, track)
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum"
+            )
+            return [g.float() for g in torch.autograd.grad(loss, nudges)]
+
+    def _logits(self, input_ids, latent_rows, start_layer=0, hidden=None, layer_inputs=None, window=0):
+        """`forward`'s body, differentiable (`latent_gradients` runs it with gradients on)."""
         T = input_ids.shape[1]
         cos, sin = self.rotary(torch.arange(T, device=input_ids.device)[None], torch.float32)
         h = self.embed_tokens(input_ids) if hidden is None else hidden
