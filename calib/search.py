@@ -1,10 +1,11 @@
 """Stages search, verify (fall back), narrow and int8: from the single-layer losses to a plan verified end to end.
 
 `search` picks each layer's candidate by greedy upgrades on the summed single-layer losses; `fall_back` verifies
-the whole plan and widens layer by layer (`wider`) while it is over `headroom × budget`; `narrow` tries cheaper
-candidates (`narrowing_moves`), each verified; `int8_projections` adds W8A8 projections where the budget allows
-(`add_int8_matmul`). `build_plan` turns one candidate per layer into a `Plan` with its tensors and guard bounds
-(`max_row_error`); `Verified` carries it with its checks and the moves recorded.
+the whole plan and widens layer by layer (`wider`) while it is over `headroom × budget` (an error when every layer
+is FP16 already, `over_at_fp16`); `narrow` tries cheaper candidates (`narrowing_moves`), each verified;
+`int8_projections` adds W8A8 projections where the budget allows (`add_int8_matmul`). `build_plan` turns one
+candidate per layer into a `Plan` with its tensors and guard bounds (`max_row_error`); `Verified` carries it with
+its checks and the moves recorded.
 
 With `max_bits` (a cap on bits per cached value, every byte of codes and scales counted) the plan never takes
 more than `byte_cap` bytes per token: `check_cap` refuses a cap under the cheapest candidates before any loss is
@@ -156,7 +157,7 @@ def fall_back(
             if q is not None:
                 moves[i] = q
         if not moves:
-            raise over_cap(m.table, pick, cap, cfg, checked)
+            raise over_cap(m.table, pick, cap, cfg, checked) if cap is not None else over_at_fp16(cfg, checked)
         i = max(moves, key=lambda j: m.table[j][pick[j]].worst)
         old = m.table[i][pick[i]]
         pick[i] = moves[i]
@@ -195,6 +196,16 @@ def over_cap(table: list[list[Choice]], pick: list[int], cap: int, cfg: Calibrat
         f"{checked.describe()} > {cfg.headroom * cfg.budget:.4%} (headroom × budget) and no wider candidate fits; "
         f"layer {i} has the largest loss alone, {now.worst:+.4%} ({now.name}, {now.row_bytes} B), its best within "
         f"the cap {best.worst:+.4%} ({best.name}, {best.row_bytes} B, every other layer at its cheapest)"
+    )
+
+
+def over_at_fp16(cfg: CalibrateConfig, checked: Checked) -> MLAQuantError:
+    """The error of a verified plan still over `headroom × budget` with every layer fallen back to FP16: the
+    loss left is not the cache's codes."""
+    return MLAQuantError(
+        f"calibrate: over the budget with every layer at FP16: {checked.describe()} > {cfg.headroom * cfg.budget:.4%}"
+        " (headroom × budget); what remains is not the cache's quantization (a rotation in FP16, or a budget below "
+        "the evaluation's noise)"
     )
 
 

@@ -339,3 +339,22 @@ def test_a_cap_that_leaves_no_plan_within_the_budget_names_the_layer_and_its_bes
     loss = r"[+-]\d\.\d{4}% \(\S+, \d+ B"
     assert re.search(rf"layer \d has the largest loss alone, {loss}\), its best within the cap {loss}, every other "
                      r"layer at its cheapest\)$", message)
+
+
+def test_a_plan_over_the_budget_with_every_layer_at_fp16_is_one_line(bundled, monkeypatch):
+    """A validation that never comes under the budget (stubbed at +50 %): the fallback widens every layer to FP16,
+    then stops in one line that says the loss left is not the codes' (no TypeError from the uncapped cap)."""
+    import types
+
+    from mlaquant.calib.measure import Checked, Validation
+
+    monkeypatch.setattr(Validation, "check", lambda self, *a, **k: Checked(types.SimpleNamespace(loss=0.5), None))
+    cfg = CalibrateConfig(**{**SMALL, "shift_val_samples": 0}, candidates=("int4-row/int4-row", "fp16/fp16"),
+                          try_clip=False, try_rotation=False)
+    with pytest.raises(MLAQuantError) as e:
+        calibrate(bundled, cfg, quiet=True)
+    assert str(e.value) == (
+        "calibrate: over the budget with every layer at FP16: plan validation loss 50.0000% > 0.6000% (headroom × "
+        "budget); what remains is not the cache's quantization (a rotation in FP16, or a budget below the "
+        "evaluation's noise)"
+    )
