@@ -16,11 +16,18 @@ parameters live in the plan, not in the rows). The codes:
     static-lm    one scale per channel (its standard deviation on the calibration rows) and Lloyd-Max levels per
                  band fitted on the calibration rows scaled by it (a 2^b-entry table per band)
     row-lm       per row and band one FP16 scale (the band's RMS), Lloyd-Max levels on the row-scaled values
+    fp16         c_kv not quantized (the rate is ignored): what k_pe's code costs alone
 
 k_pe: the shipped int4-row (18 B, Hadamard-rotated after RoPE), the same code family as c_kv at `kpe_bits` in one
 band (also after RoPE), or `pre-<codes>` before RoPE: the rows read back un-rotated to each position's angle
 (RoPE⁻¹, per cached position) and coded per channel there (static scales; bits per channel block by reverse
 water-filling on the pre-RoPE variances at the given rate, channels sorted by variance), RoPE applied again on read.
+
+Allocation by loss (issue 53, item 3): `allocation` "fisher" — the bands of each layer by reverse water-filling on
+the principal variances weighted by the loss's Fisher diagonal (`mlaquant.calib.transform.loss_weighted_axes`, the
+axes reordered by it; what `allocation: fisher` calibrates), the same rate in every layer; "fisher-across" — one
+water-filling over every layer's weighted channels at once (the rate is the mean over the layers; layers that matter
+more get more). The Fisher matrices from the first 32 calibration samples (`mlaquant.calib.sensitivity`).
 
 Tokens kept at FP16 (issue 53, item 4): `sinks` S — the first S rows of every sequence stay FP16 in every layer;
 `window` R — each query reads its most recent R rows at FP16 (the plan's residual window, `Evaluator.evaluate`'s
@@ -39,7 +46,8 @@ from mlaquant import load_model
 from mlaquant.atomic import write_json
 from mlaquant.calib.data import shift_description, shift_source, split_path
 from mlaquant.calib.observers import observe
-from mlaquant.calib.transform import allocate_bands, principal_rotation
+from mlaquant.calib.sensitivity import latent_fisher
+from mlaquant.calib.transform import allocate_bands, loss_weighted_axes, principal_rotation
 from mlaquant.evaluation.eval import Evaluator
 from mlaquant.evaluation.samples import token_samples
 from mlaquant.modeling.model import apply_rope, hadamard_signs
@@ -78,6 +86,15 @@ ROWS = [  # label, c_kv rate (code bits per value), c_kv codes, k_pe (codes, bit
     ("row-int 1.0 / int4-row + window 64", 1.0, "row-int", "int4-row", {"window": 64}),
     ("row-int 1.0 / band-3x32 + window 32", 1.0, "row-int", "band-3x32", {"window": 32}),
     ("row-int 1.0 / band-2x32 + window 32", 1.0, "row-int", "band-2x32", {"window": 32}),
+    ("row-int 1.5 / int4-row, loss-weighted", 1.5, "row-int", "int4-row", {"allocation": "fisher"}),
+    ("row-int 1.25 / int4-row", 1.25, "row-int", "int4-row"),
+    ("row-int 1.25 / int4-row, loss-weighted", 1.25, "row-int", "int4-row", {"allocation": "fisher"}),
+    ("row-int 1.0 / int4-row, loss-weighted", 1.0, "row-int", "int4-row", {"allocation": "fisher"}),
+    *((f"row-int {rate} / int4-row, loss-weighted across layers", rate, "row-int", "int4-row",
+       {"allocation": "fisher-across"}) for rate in (1.5, 1.25, 1.0)),
+    # where the loss of the 2.3-bit row comes from: k_pe alone, and c_kv alone (k_pe at INT8, near lossless)
+    ("c_kv fp16 / int4-row", 16.0, "fp16", "int4-row"),
+    ("row-int 1.5 / int8-row, loss-weighted", 1.5, "row-int", "int8-row", {"allocation": "fisher"}),
 ]
 AMORTISED_OVER = 2048  # tokens: FP16 sink and window rows count (16 bits per value) over a sequence this long
 
@@ -234,18 +251,61 @@ def prerope_rows(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return [torch.cat(r) for r in rows]
 
 
-def quantizers(model, setups, rate: float, codes: str, kpe, plan, pre, sinks: int = 0) -> tuple[list, float]:
-    """Per layer its LayerQuantizer for one ablation row (the first `sinks` rows FP16), and the row's bits per
-    cached value (codes and scales; sinks and windows not counted here)."""
+class Permuted:
+    """A c_kv codec on the channels taken in `order` [d_c] (the loss-weighted axes are a column permutation of the
+    principal ones): `fake_quant` of rows [..., d_c + d_r] with c_kv reordered, coded and put back."""
+
+    def __init__(self, order: torch.Tensor, codec: LayerCodec, d_c: int) -> None:
+        self.order, self.inverse, self.codec, self.d_c = order, order.argsort(), codec, d_c
+
+    def fake_quant(self, rows: torch.Tensor) -> torch.Tensor:
+        c = rows[..., : self.d_c][..., self.order]
+        coded = self.codec.fake_quant(torch.cat((c, rows[..., self.d_c :]), -1))
+        return torch.cat((coded[..., : self.d_c][..., self.inverse], coded[..., self.d_c :]), -1)
+
+
+def c_kv_bands(setups, rate: float, allocation: str | None, fisher: list | None, d_c: int) -> list[tuple]:
+    """Per layer (its c_kv channel order [d_c] or None for the principal one, its bands) for `allocation` (None:
+    the variances; "fisher", "fisher-across": module docstring)."""
+    if allocation is None:
+        return [(None, allocate_bands(var, rate)) for var, _, _ in setups]
+    ordered = [loss_weighted_axes(torch.eye(d_c), var, f) for (var, _, _), f in zip(setups, fisher)]
+    orders = [perm.argmax(0) for perm, _ in ordered]  # column j of the permutation is axis orders[j]
+    if allocation == "fisher":
+        return [(order, allocate_bands(w, rate)) for order, (_, w) in zip(orders, ordered)]
+    return list(zip(orders, split_bands(allocate_bands(torch.cat([w for _, w in ordered]), rate), d_c)))
+
+
+def split_bands(bands, width: int) -> list[tuple]:
+    """Bands ((bits, channels), ...) over consecutive layers of `width` channels each → per layer its bands."""
+    out, layer, room = [], [], width
+    for bits, w in bands:
+        while w:
+            take = min(w, room)
+            layer.append((bits, take))
+            w, room = w - take, room - take
+            if not room:
+                out.append(tuple(layer))
+                layer, room = [], width
+    return out
+
+
+def quantizers(model, setups, rate: float, codes: str, kpe, plan, pre, sinks: int = 0, allocation=None,
+               fisher=None) -> tuple[list, float]:
+    """Per layer its LayerQuantizer for one ablation row (the first `sinks` rows FP16; c_kv bands by `allocation`,
+    `c_kv_bands`), and the row's bits per cached value (codes and scales; sinks and windows not counted here)."""
     d_c, d_r = model.cfg.latent_widths
     out, total = [], 0
     rotations = plan.rotations()
-    for i, (var, c, k) in enumerate(setups):
-        bands = allocate_bands(var, rate)
-        if codes == "row-int":
+    allocated = c_kv_bands(setups, rate, allocation, fisher, d_c)
+    for i, ((_, c, k), (order, bands)) in enumerate(zip(setups, allocated)):
+        if codes == "fp16":
+            ckv, ckv_bytes = LayerCodec.from_names("fp16", "fp16", d_c, d_r), 2 * d_c
+        elif codes == "row-int":
             name = "band" + "".join(f"-{b}x{w}" for b, w in bands)
             ckv = LayerCodec.from_names(name, "fp16", d_c, d_r)
             ckv_bytes = ckv.row_bytes - 2 * d_r
+            ckv = ckv if order is None else Permuted(order, ckv, d_c)
         else:
             ckv = BandQuantizer(bands, codes, c)
             ckv_bytes = ckv.row_bytes
@@ -283,12 +343,14 @@ def main() -> None:
                ("shifted", shift_source("test"), 3))
     splits = {name: Evaluator(rotated, token_samples(tok, source, args.samples, args.seq_len, seed, eos))
               for name, source, seed in sources}
-    results = []
+    results, fisher = [], None
     rows = [r for r in ROWS if not args.rows or any(s in r[0] for s in args.rows.split(","))]
     for label, rate, codes, kpe, *extra in tqdm(rows, desc="ablation"):
         kept = extra[0] if extra else {}
-        sinks, window = kept.get("sinks", 0), kept.get("window", 0)
-        qs, bits = quantizers(model, setups, rate, codes, kpe, plan, pre, sinks)
+        sinks, window, allocation = kept.get("sinks", 0), kept.get("window", 0), kept.get("allocation")
+        if allocation and fisher is None:
+            fisher = latent_fisher(rotated, cal, 8)  # in the principal axes' frame: the rotated model's rows
+        qs, bits = quantizers(model, setups, rate, codes, kpe, plan, pre, sinks, allocation, fisher)
         bits += 16 * (sinks + window) / AMORTISED_OVER
         losses = {k: ev.evaluate(qs, loss_only=True, window=window).loss for k, ev in splits.items()}
         results.append({"row": label, "bits_per_value": bits, **losses})

@@ -34,7 +34,8 @@ run levels python scripts/measure_levels.py
 run transform python scripts/measure_transform.py --out "$OUT/transform.json"
 run ablation_2bit python scripts/measure_2bit.py --out "$OUT/ablation-2bit.json"
 run ablation_2bit_2048 python scripts/measure_2bit.py --seq-len 2048 --samples 8 \
-    --rows "row-int 2.0 / int4-row,row-int 1.5 / int4-row,row-int 1.0 / int4-row" --out "$OUT/ablation-2bit-2048.json"
+    --rows "row-int 2.0 / int4-row,row-int 1.5 / int4-row,row-int 1.25 / int4-row,row-int 1.0 / int4-row,c_kv fp16,int8-row" \
+    --out "$OUT/ablation-2bit-2048.json"
 run recall mlaquant recall --plans plans/default,plans/3bit,plans/2bit
 run two_bit_cap bash -c '! mlaquant calibrate --config configs/calibrate-2bit.yaml --max-bits 2.3 --out "$0/plan-2bit-cap"' "$OUT"
 run engine_fp8 mlaquant calibrate --config configs/calibrate-engine-fp8.yaml --out plans/engine-fp8
