@@ -164,9 +164,10 @@ def inputs(model) -> dict:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> dict[str, Path]:
-    """The shipped default and 3-bit plans exported with the bundled model: directories that declare them."""
+    """The shipped default, 3-bit and 2-bit-search plans exported with the bundled model: directories that declare
+    them."""
     tmp = tmp_path_factory.mktemp("exported")
-    return {name: export(PLANS / name, tmp / name) for name in ("default", "3bit")}
+    return {name: export(PLANS / name, tmp / name) for name in ("default", "3bit", "2bit")}
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +177,13 @@ def rotated_fp16(tmp_path_factory) -> Path:
 
 # how each plan is served: the lossless baseline through MLAQUANT_PLAN, the default plan's directory in eager mode on
 # the torch reference (the strict check), the 3-bit plan's directory in vLLM's default mode (compiled) on the
-# plugin's default decode (auto: the C kernels)
-RUNS = {"fp16-rotated": ("torch", False), "default": ("torch", False), "3bit": ("auto", True)}
+# plugin's default decode (auto: the C kernels), the 2-bit search's plan (bands allocated by loss) eager on them
+RUNS = {"fp16-rotated": ("torch", False), "default": ("torch", False), "3bit": ("auto", True), "2bit": ("auto", False)}
 
 
 @pytest.fixture(scope="module")
 def served(vllm_python, inputs, exported, rotated_fp16, tmp_path_factory) -> dict[str, dict]:
-    """vLLM's report per plan: the bundled model, KV_BYTES of cache, max_model_len MAX_LEN; the three launched at
+    """vLLM's report per plan: the bundled model, KV_BYTES of cache, max_model_len MAX_LEN; the four launched at
     once."""
     tmp = tmp_path_factory.mktemp("vllm")
     runs = {}
@@ -219,7 +220,7 @@ def test_greedy_tokens_equal_decode_sessions(plan, served, session_tokens, input
     assert served[plan]["quantization"] == (None if plan == "fp16-rotated" else "mlaquant")
     assert served[plan]["compiled"] == RUNS[plan][1]
     mode = "compiled" if RUNS[plan][1] else "eager"
-    print(f"{plan}: vLLM's LLM construction {served[plan]['load_s']} s ({mode}, the three plans' launches sharing "
+    print(f"{plan}: vLLM's LLM construction {served[plan]['load_s']} s ({mode}, the four plans' launches sharing "
           "the machine)")
 
 
@@ -263,7 +264,7 @@ def test_served_nll_is_decode_sessions_token_by_token(plan, served, model, input
     assert mean < NLL_MEAN_ATOL, (share, mean)
 
 
-@pytest.mark.parametrize("plan, ratio", [("default", 1280 / 352), ("3bit", 1280 / 222)])
+@pytest.mark.parametrize("plan, ratio", [("default", 1280 / 352), ("3bit", 1280 / 222), ("2bit", 1280 / 202)])
 def test_vllm_capacity_grows_by_the_plans_compression(plan, ratio, served, model):
     """vLLM's own KV capacity in the same memory (blocks its scheduler admits) against the plugin at FP16."""
     fp16 = served["fp16-rotated"]["capacity_tokens"]

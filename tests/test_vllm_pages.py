@@ -30,7 +30,7 @@ def _pages_for(plan: Plan, layer: int, interleaved: bool) -> LayerPages:
     return LayerPages(plan.layer_codec(layer), d_c, r_c, r_r, rope_order(d_r, interleaved))
 
 
-@pytest.mark.parametrize("plan_name", ["default", "3bit"])
+@pytest.mark.parametrize("plan_name", ["default", "3bit", "2bit"])
 def test_rows_from_vllms_latent_are_the_rows_decode_session_caches(plan_name):
     """vLLM hands the layer the unrotated c_kv and k_pe in interleaved-RoPE order; the plugin's rows equal the
     rotated model's cache rows (`MLAAttention.latent` of `plan.apply(model)`) to FP32 rounding."""
