@@ -8,7 +8,9 @@ import dataclasses
 from pathlib import Path
 
 from mlaquant.calib.data import shift_description, shift_source, split_path
+from mlaquant.calib.transform import is_transform_candidate
 from mlaquant.config import ConfigError
+from mlaquant.quant.codecs import split_pair
 
 
 @dataclasses.dataclass
@@ -101,7 +103,7 @@ class CalibrateConfig:
             raise ConfigError(f"calibrate: batch_size must be > 0 or null (auto), got {self.batch_size}")
         if self.allocation not in ("variance", "fisher"):
             raise ConfigError(f"calibrate: allocation must be 'variance' or 'fisher', got {self.allocation!r}")
-        if self.allocation == "fisher" and not any(c.startswith("pca-") for c in self.candidates):
+        if self.allocation == "fisher" and not any(is_transform_candidate(split_pair(c)[0]) for c in self.candidates):
             raise ConfigError("calibrate: allocation 'fisher' allocates the bits of 'pca-<rate>' candidates; "
                               "the candidates have none")
         if "fp16/fp16" not in self.candidates:

@@ -19,7 +19,7 @@ import torch
 from mlaquant.calib.calibrate_config import CalibrateConfig
 from mlaquant.calib.candidates import Choice, LayerVariants, best_variant, layer_variants
 from mlaquant.calib.observers import observe
-from mlaquant.calib.sensitivity import fisher_batches, latent_fisher
+from mlaquant.calib.sensitivity import FISHER_SAMPLES, latent_fisher
 from mlaquant.device import auto_batch_size
 from mlaquant.evaluation.eval import EvalResult, Evaluator, sample_bytes
 from mlaquant.modeling.int8_proj import with_int8_projections
@@ -52,7 +52,7 @@ def progress_total(
     int_candidates = sum(1 for c in cfg.candidates if c != "fp16/fp16")
     extra = 0 if second is None else batches(second, long_batch(model, cfg, second.shape[1]))
     if cfg.allocation == "fisher":
-        extra += fisher_batches(cal.shape[0], cfg.batch_size)
+        extra += batches(cal[:FISHER_SAMPLES], cfg.batch_size)
     return batches(cal, cfg.batch_size) + batches(val, cfg.batch_size) + extra + len(model.layers) * (
         int_candidates + cfg.int8_matmul
     )

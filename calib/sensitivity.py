@@ -37,8 +37,3 @@ def latent_fisher(model: LatentModel, samples: torch.Tensor, batch_size: int, pr
         if progress is not None:
             progress.update(1)
     return [f / count for f in fisher]
-
-
-def fisher_batches(samples: int, batch_size: int) -> int:
-    """Progress-bar steps of `latent_fisher` over `samples` calibration samples."""
-    return -(-min(samples, FISHER_SAMPLES) // batch_size)

@@ -42,14 +42,19 @@ def principal_rotation(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return axes[:, order].float(), moments[order].clamp_min(0).float()
 
 
+def loss_weights(axes: torch.Tensor, moments: torch.Tensor, fisher: torch.Tensor) -> torch.Tensor:
+    """σ_i²·(Rᵀ F R)_ii [d_c] float64 for the principal `axes` R [d_c, d_c] (columns), their second `moments` σ²
+    [d_c] and the layer's Fisher matrix F of c_kv [d_c, d_c] (`latent_fisher`): each axis's loss weight."""
+    a = axes.double()
+    return moments.double() * ((a.T @ fisher.double()) * a.T).sum(1)
+
+
 def loss_weighted_axes(
     axes: torch.Tensor, moments: torch.Tensor, fisher: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Principal `axes` [d_c, d_c] (columns) with their second `moments` [d_c] and the layer's Fisher matrix of
-    c_kv [d_c, d_c] (`latent_fisher`) → (the axes reordered by σ_i²·F_ii, largest first, float32; those weights
-    [d_c] descending): what `allocate_bands` then spends the bits on (module docstring)."""
-    a = axes.double()
-    weights = moments.double() * ((a.T @ fisher.double()) * a.T).sum(1)  # σ_i² · (Rᵀ F R)_ii
+    """The principal `axes` reordered by their `loss_weights`, largest first, and those weights [d_c] descending:
+    what `allocate_bands` then spends the bits on (module docstring)."""
+    weights = loss_weights(axes, moments, fisher)
     order = weights.argsort(descending=True)
     return axes[:, order], weights[order].clamp_min(0).float()
 

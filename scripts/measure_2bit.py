@@ -47,7 +47,7 @@ from mlaquant.atomic import write_json
 from mlaquant.calib.data import shift_description, shift_source, split_path
 from mlaquant.calib.observers import observe
 from mlaquant.calib.sensitivity import latent_fisher
-from mlaquant.calib.transform import allocate_bands, loss_weighted_axes, principal_rotation
+from mlaquant.calib.transform import allocate_bands, loss_weights, principal_rotation
 from mlaquant.evaluation.eval import Evaluator
 from mlaquant.evaluation.samples import token_samples
 from mlaquant.modeling.model import apply_rope, hadamard_signs
@@ -269,11 +269,12 @@ def c_kv_bands(setups, rate: float, allocation: str | None, fisher: list | None,
     the variances; "fisher", "fisher-across": module docstring)."""
     if allocation is None:
         return [(None, allocate_bands(var, rate)) for var, _, _ in setups]
-    ordered = [loss_weighted_axes(torch.eye(d_c), var, f) for (var, _, _), f in zip(setups, fisher)]
-    orders = [perm.argmax(0) for perm, _ in ordered]  # column j of the permutation is axis orders[j]
+    weights = [loss_weights(torch.eye(d_c), var, f) for (var, _, _), f in zip(setups, fisher)]  # principal frame
+    orders = [w.argsort(descending=True) for w in weights]
+    ordered = [w[order].clamp_min(0).float() for w, order in zip(weights, orders)]
     if allocation == "fisher":
-        return [(order, allocate_bands(w, rate)) for order, (_, w) in zip(orders, ordered)]
-    return list(zip(orders, split_bands(allocate_bands(torch.cat([w for _, w in ordered]), rate), d_c)))
+        return [(order, allocate_bands(w, rate)) for order, w in zip(orders, ordered)]
+    return list(zip(orders, split_bands(allocate_bands(torch.cat(ordered), rate), d_c)))
 
 
 def split_bands(bands, width: int) -> list[tuple]:
